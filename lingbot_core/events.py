@@ -1,0 +1,111 @@
+"""Control events: the JSON a client sends, checked strictly before anything acts on it.
+
+Two forms, each with a strictly increasing integer `event_id`:
+- a script event  {"event_id": 3, "frames": [["w"], ["w", "j"], []]}: key sets for one block's latent frames;
+- a key-state event {"event_id": 4, "keys": ["w"]}: the keys now held (they act until released).
+Either may carry "prompt": a new text from the next block on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .model.camera import VALID_KEYS
+
+MAX_EVENT_LINE_BYTES = 64 * 1024
+
+
+class EventError(ValueError):
+    """An event that cannot be applied; the message names the field and the problem."""
+
+
+@dataclass(frozen=True)
+class ScriptEvent:
+    event_id: int
+    frames: tuple[frozenset[str], ...]
+    prompt: str | None = None
+
+
+@dataclass(frozen=True)
+class KeyStateEvent:
+    event_id: int
+    keys: frozenset[str]
+    prompt: str | None = None
+
+
+Event = ScriptEvent | KeyStateEvent
+
+
+def _keys(value, where: str) -> frozenset[str]:
+    if not isinstance(value, list):
+        raise EventError(f"{where} must be a list of keys, got {type(value).__name__}")
+    for key in value:
+        if not isinstance(key, str):
+            raise EventError(f"{where} holds {key!r}; keys are strings from {''.join(sorted(VALID_KEYS))}")
+        if key not in VALID_KEYS:
+            raise EventError(f"{where} holds unknown key {key!r}; valid keys are {', '.join(sorted(VALID_KEYS))}")
+    return frozenset(value)
+
+
+def parse_event(raw: object, frames_per_block: int) -> Event:
+    """Check one decoded JSON object and turn it into an event; raises EventError naming the problem."""
+    if not isinstance(raw, dict):
+        raise EventError(f"an event must be a JSON object, got {type(raw).__name__}")
+    unknown = set(raw) - {"event_id", "frames", "keys", "prompt"}
+    if unknown:
+        raise EventError(f"unknown event fields: {sorted(unknown)}")
+    event_id = raw.get("event_id")
+    if isinstance(event_id, bool) or not isinstance(event_id, int) or event_id < 0:
+        raise EventError(f"event_id must be a non-negative integer, got {event_id!r}")
+    prompt = raw.get("prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise EventError(f"prompt must be a string, got {type(prompt).__name__}")
+    if ("frames" in raw) == ("keys" in raw):
+        raise EventError(f"event {event_id} must have exactly one of 'frames' (a script) or 'keys' (held keys)")
+    if "keys" in raw:
+        return KeyStateEvent(event_id, _keys(raw["keys"], f"event {event_id} keys"), prompt)
+    frames = raw["frames"]
+    if not isinstance(frames, list) or len(frames) != frames_per_block:
+        count = len(frames) if isinstance(frames, list) else type(frames).__name__
+        raise EventError(f"event {event_id} frames must be a list of {frames_per_block} key lists, got {count}")
+    return ScriptEvent(event_id, tuple(_keys(f, f"event {event_id} frame {i}") for i, f in enumerate(frames)), prompt)
+
+
+def parse_event_line(line: str | bytes, frames_per_block: int) -> Event:
+    if len(line) > MAX_EVENT_LINE_BYTES:
+        raise EventError(f"an event line is limited to {MAX_EVENT_LINE_BYTES} bytes")
+    try:
+        raw = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EventError(f"not valid JSON: {exc}") from None
+    return parse_event(raw, frames_per_block)
+
+
+def read_events(text: str, frames_per_block: int) -> list[Event]:
+    """Parse a JSONL action script; blank lines are skipped, ids must increase strictly."""
+    events: list[Event] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            event = parse_event_line(line, frames_per_block)
+        except EventError as exc:
+            raise EventError(f"line {number}: {exc}") from None
+        if events and event.event_id <= events[-1].event_id:
+            raise EventError(f"line {number}: event_id {event.event_id} does not increase "
+                             f"(previous {events[-1].event_id})")
+        events.append(event)
+    return events
+
+
+def read_events_file(path: str | Path, frames_per_block: int) -> list[Event]:
+    path = Path(path)
+    if not path.is_file():
+        raise EventError(f"no events file at {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise EventError(f"{path} is not UTF-8 text") from None
+    return read_events(text, frames_per_block)

@@ -1,0 +1,79 @@
+"""The loaded model: transformer, VAE and text encoder on one device, plus the verbs a rollout needs.
+
+A `Pipeline` holds weights only. Every world's state lives in a `RolloutState` the caller owns, so one
+pipeline serves any number of sessions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from .config import ModelConfig
+from .image import image_to_tensor, load_image
+from .kv_cache import KVPagePool
+from .loading import load_pipeline_parts
+from .model.text import TextEncoder, normalize_prompt
+from .rollout import BlockControl, BlockOutput, RolloutState, new_rollout, release, step_block
+
+
+@dataclass
+class Pipeline:
+    config: ModelConfig
+    transformer: torch.nn.Module
+    vae: torch.nn.Module
+    text_encoder: TextEncoder
+    device: torch.device
+    dtype: torch.dtype
+
+    def encode_prompt(self, prompt: str) -> Any:
+        """Per-layer cross-attention K/V for a prompt: computed once, reused by every forward."""
+        text = normalize_prompt(prompt, self.config.text.max_prompt_chars)
+        with torch.inference_mode():
+            states = self.text_encoder.encode(text).to(device=self.device, dtype=self.dtype)
+            return self.transformer.prepare_text(states)
+
+    def start(self, image, prompt: str, seed: int, **kwargs) -> RolloutState:
+        pixels = image_to_tensor(load_image(image), self.config.height, self.config.width)
+        return new_rollout(self.config, self.vae, pixels, self.encode_prompt(prompt), normalize_prompt(
+            prompt, self.config.text.max_prompt_chars), seed, **kwargs)
+
+    def with_prompt(self, state: RolloutState, prompt: str) -> RolloutState:
+        """A copy of `state` that uses a new prompt; `state` itself stays valid until a block commits."""
+        text = normalize_prompt(prompt, self.config.text.max_prompt_chars)
+        return replace(state, text_kv=self.encode_prompt(text), prompt=text)
+
+    def step(self, pool: KVPagePool, state: RolloutState, control: BlockControl,
+             on_stage=None) -> tuple[BlockOutput, RolloutState]:
+        with torch.inference_mode():
+            return step_block(self.config, self.transformer, self.vae, pool, state, control, on_stage)
+
+    def new_pool(self, num_pages: int | None = None) -> KVPagePool:
+        """A private page pool, sized for one rollout unless told otherwise."""
+        return KVPagePool(self.config, num_pages or KVPagePool.pages_per_rollout(self.config), self.dtype,
+                          self.device)
+
+    def rollout(self, image, prompt: str, seed: int, controls: Iterable[BlockControl],
+                **kwargs) -> Iterator[BlockOutput]:
+        """Run a whole offline rollout on a private pool; blocks are yielded as they are made."""
+        pool = self.new_pool()
+        state = self.start(image, prompt, seed, **kwargs)
+        try:
+            for control in controls:
+                if control.prompt is not None:
+                    state = self.with_prompt(state, control.prompt)
+                output, state = self.step(pool, state, control)
+                yield output
+        finally:
+            release(pool, state)
+
+
+def load_pipeline(source: str = "embedded", *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+                  compile: bool = False, allow_download: bool = False, **overrides) -> Pipeline:
+    """Load `embedded`, a local diffusers-format folder or (with allow_download) a Hub repo id."""
+    parts = load_pipeline_parts(source, dtype=dtype, device=device, allow_download=allow_download, **overrides)
+    if compile:
+        parts.transformer.compile_blocks()
+    return Pipeline(parts.config, parts.transformer, parts.vae, parts.text_encoder, torch.device(device), dtype)

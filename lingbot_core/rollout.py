@@ -1,0 +1,180 @@
+"""One world's state between blocks, and the transactional block step.
+
+`step_block` computes a whole block from a `RolloutState` without touching it: the condition encoder
+history, the decoder state, the RNG, the camera tail and the new KV pages are all *pending* until the
+block has finished every stage. Only then is a new state returned (and the pages that left the window
+freed). Any exception before that frees the block's reserved pages and leaves the old state exactly
+as it was, so the caller can retry or carry on.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .config import ModelConfig
+from .kv_cache import KVPagePool, SessionKV
+from .model import camera, vae_stream
+from .sampler import sample_block
+
+
+class PoolExhausted(RuntimeError):
+    """The shared KV pool has no pages for this block; admission should have prevented it."""
+
+
+@dataclass(frozen=True)
+class BlockControl:
+    """What drives one block's camera: per-latent-frame key sets, or explicit poses (trajectory files)."""
+
+    actions: tuple[frozenset[str], ...] | None = None
+    poses: np.ndarray | None = None  # [F, 4, 4] camera-to-world
+    intrinsics: np.ndarray | None = None  # [F, 4] fx, fy, cx, cy in the reference frame
+    prompt: str | None = None  # a new text from this block on (the caller re-encodes it)
+
+
+@dataclass
+class RolloutState:
+    """Everything a world carries from one block to the next. Replaced whole by each committed block."""
+
+    block_index: int
+    condition: vae_stream.ConditionState
+    decoder: vae_stream.DecoderState
+    kv: SessionKV
+    rng_state: torch.Tensor  # CPU generator state; one stream of noise for the whole rollout
+    camera: camera.CameraState
+    text_kv: Any
+    prompt: str
+
+
+@dataclass
+class BlockOutput:
+    block_index: int
+    latents: torch.Tensor  # [1, z, F, h, w] clean, normalised
+    frames: torch.Tensor  # [1, 3, T, H, W] in [-1, 1]
+    poses: np.ndarray  # [F, 4, 4] the camera of each latent frame
+    stage_ms: dict[str, float]
+
+
+# on_stage(name) is called before each stage: "condition", "denoise", "commit", "decode".
+# The engine uses it for timings; tests use it to inject failures.
+StageHook = Callable[[str], None]
+
+
+def new_rollout(config: ModelConfig, vae, image: torch.Tensor, text_kv: Any, prompt: str, seed: int,
+                start_camera: camera.CameraState | None = None) -> RolloutState:
+    generator = torch.Generator(device="cpu").manual_seed(int(seed))
+    return RolloutState(
+        block_index=0,
+        condition=vae_stream.ConditionState.start(image.to(device=_device_of(vae), dtype=_dtype_of(vae))),
+        decoder=vae_stream.DecoderState.empty(),
+        kv=SessionKV.empty(),
+        rng_state=generator.get_state(),
+        camera=start_camera or camera.CameraState.initial(),
+        text_kv=text_kv,
+        prompt=prompt,
+    )
+
+
+def release(pool: KVPagePool, state: RolloutState) -> None:
+    """Return every page the rollout holds to the pool."""
+    pool.allocator.free(state.kv.pages())
+    state.kv = SessionKV.empty()
+
+
+def step_block(config: ModelConfig, transformer, vae, pool: KVPagePool, state: RolloutState,
+               control: BlockControl, on_stage: StageHook | None = None) -> tuple[BlockOutput, RolloutState]:
+    """Generate one block; returns its output and the committed state. `state` itself is never modified."""
+    frames_per_block = config.transformer.num_frames_per_block
+    start_frame = state.block_index * frames_per_block
+    device, dtype = _device_of(transformer), _dtype_of(transformer)
+    stage_ms: dict[str, float] = {}
+    running: list = [None, 0.0]  # the stage being timed and when it began
+
+    def enter(stage: str) -> None:
+        now = time.perf_counter()
+        if running[0] is not None:
+            stage_ms[running[0]] = 1000.0 * (now - running[1])
+        running[:] = [stage, now]
+        if on_stage is not None:
+            on_stage(stage)
+
+    new_pages = pool.allocator.allocate(frames_per_block)
+    if new_pages is None:
+        raise PoolExhausted(f"the KV pool has {pool.allocator.num_free} free pages; a block needs {frames_per_block}")
+    try:
+        # 1. Camera: poses for this block's latent frames, then the Plücker map anchored on the previous tail.
+        poses, intrinsics, next_camera = _block_camera(config, state.camera, control)
+        plucker = camera.plucker_block(state.camera.tail_pose, poses, intrinsics, config.width, config.height,
+                                       config.camera).unsqueeze(0).to(device=device, dtype=dtype)
+
+        # 2. Condition block from the session's causal encoder history (pending until commit).
+        enter("condition")
+        condition, next_condition = vae_stream.encode_condition_block(vae, state.condition, state.block_index, config)
+        mask = vae_stream.condition_mask(config, state.block_index, condition.device, condition.dtype)
+        extra = torch.cat([mask, condition], dim=1).to(device=device, dtype=torch.float32)  # [1, mask + z, F, h, w]
+
+        # 3. Denoise: four forwards that read the cache and never write it.
+        enter("denoise")
+        read_view = state.kv.view(pool, config, start_frame)
+
+        def velocity(x_t: torch.Tensor, timestep: float) -> torch.Tensor:
+            return transformer(torch.cat([x_t, extra], dim=1), _timestep(timestep, device), state.text_kv, plucker,
+                               start_frame, cache=read_view)
+
+        generator = torch.Generator(device="cpu")
+        generator.set_state(state.rng_state)
+        latent_shape = (1, config.transformer.out_channels, frames_per_block, config.latent_height,
+                        config.latent_width)
+        latents = sample_block(velocity, latent_shape, config.sampler, generator, device)
+
+        # 4. Commit forward at t=0 on the clean latents: writes this block's K/V into its reserved pages.
+        enter("commit")
+        write_view = state.kv.view(pool, config, start_frame, write_pages=new_pages)
+        transformer(torch.cat([latents, extra], dim=1), _timestep(0.0, device), state.text_kv, plucker, start_frame,
+                    cache=write_view)
+
+        # 5. Streaming decode (pending decoder state).
+        enter("decode")
+        frames, next_decoder = vae_stream.decode_block(vae, state.decoder, latents.to(_dtype_of(vae)))
+        enter("done")  # closes the decode timing
+    except BaseException:
+        pool.allocator.free(new_pages)
+        raise
+
+    # Commit: nothing below can fail on a valid state.
+    next_kv, dropped = state.kv.after_commit(config, start_frame, new_pages)
+    pool.allocator.free(dropped)
+    next_state = replace(state, block_index=state.block_index + 1, condition=next_condition, decoder=next_decoder,
+                         kv=next_kv, rng_state=generator.get_state(), camera=next_camera)
+    return BlockOutput(state.block_index, latents, frames, poses, stage_ms), next_state
+
+
+def _block_camera(config: ModelConfig, camera_state: camera.CameraState, control: BlockControl):
+    frames_per_block = config.transformer.num_frames_per_block
+    if control.poses is not None:
+        poses = np.asarray(control.poses, dtype=np.float64)
+        intrinsics = np.asarray(control.intrinsics, dtype=np.float64)
+        if poses.shape != (frames_per_block, 4, 4) or intrinsics.shape != (frames_per_block, 4):
+            raise ValueError(f"a block needs poses [{frames_per_block},4,4] and intrinsics [{frames_per_block},4]")
+        return poses, intrinsics, camera.CameraState.from_pose(poses[-1])
+    actions = control.actions if control.actions is not None else (frozenset(),) * frames_per_block
+    poses, next_camera = camera.integrate_actions(camera_state, actions, config.camera)
+    fx, fy, cx, cy = camera.reference_intrinsics(config.camera)
+    intrinsics = np.tile(np.array([fx, fy, cx, cy], dtype=np.float64), (frames_per_block, 1))
+    return poses, intrinsics, next_camera
+
+
+def _timestep(value: float, device) -> torch.Tensor:
+    return torch.full((1,), float(value), dtype=torch.float32, device=device)
+
+
+def _device_of(module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def _dtype_of(module) -> torch.dtype:
+    return next(module.parameters()).dtype

@@ -1,0 +1,33 @@
+"""Few-step DMD flow matching for one block, then the t=0 commit forward that writes its K/V.
+
+The loop reads like the algorithm: draw noise, denoise four times (reading the cache, never writing
+it), then rerun the clean latents at t=0 so the cache holds clean context. All noise comes from one
+generator whose state the caller owns and carries from block to block.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .config import SamplerConfig
+
+# velocity(x_t, model_timestep) -> predicted flow v; the caller binds condition, text, camera and cache.
+VelocityFn = Callable[[torch.Tensor, float], torch.Tensor]
+
+
+def sample_block(velocity: VelocityFn, shape: tuple[int, ...], config: SamplerConfig,
+                 generator: torch.Generator, device: torch.device | str) -> torch.Tensor:
+    """Clean latents x0 for one block. Noise is drawn on the CPU so every device sees the same draws."""
+    sigmas = config.sigmas()
+    x = torch.randn(shape, generator=generator, dtype=torch.float32).to(device)
+    for step, sigma in enumerate(sigmas):
+        v = velocity(x, config.num_train_timesteps * sigma)
+        x0 = x - sigma * v
+        if step + 1 == len(sigmas):
+            return x0
+        sigma_next = sigmas[step + 1]
+        noise = torch.randn(shape, generator=generator, dtype=torch.float32).to(device)
+        x = (1.0 - sigma_next) * x0 + sigma_next * noise
+    raise ValueError("the sampler needs at least one timestep")
