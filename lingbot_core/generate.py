@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             root = Path(os.path.commonpath([str(poses_path.parent), str(intrinsics_path.parent)]))
             poses, intrinsics = camera.load_trajectory(poses_path, intrinsics_path, trusted_root=root)
             controls = controls_from_trajectory(poses, intrinsics, pipe.config, args.blocks)
-            start_camera = camera.CameraState.from_pose(poses[0])
+            start_camera = camera.CameraState(poses[0])
         if not controls:
             parser.error("the events file holds no events")
         blocks = write_rollout(pipe.rollout(args.image, args.prompt, args.seed, controls, start_camera=start_camera),

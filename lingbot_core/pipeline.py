@@ -16,6 +16,7 @@ from .image import image_to_tensor, load_image
 from .kv_cache import KVPagePool
 from .loading import load_pipeline_parts
 from .model.text import TextEncoder, normalize_prompt
+from .model.vae_stream import FrameDecoder, compile_frame_decoder, decode_latent_frame
 from .rollout import BlockControl, BlockOutput, RolloutState, new_rollout, release, step_block
 
 
@@ -27,6 +28,7 @@ class Pipeline:
     text_encoder: TextEncoder
     device: torch.device
     dtype: torch.dtype
+    decode_frame: FrameDecoder = decode_latent_frame  # the VAE decoder step, compiled or eager
 
     def encode_prompt(self, prompt: str) -> Any:
         """Per-layer cross-attention K/V for a prompt: computed once, reused by every forward."""
@@ -48,7 +50,8 @@ class Pipeline:
     def step(self, pool: KVPagePool, state: RolloutState, control: BlockControl,
              on_stage=None) -> tuple[BlockOutput, RolloutState]:
         with torch.inference_mode():
-            return step_block(self.config, self.transformer, self.vae, pool, state, control, on_stage)
+            return step_block(self.config, self.transformer, self.vae, pool, state, control, on_stage,
+                              self.decode_frame)
 
     def new_pool(self, num_pages: int | None = None) -> KVPagePool:
         """A private page pool, sized for one rollout unless told otherwise."""
@@ -74,6 +77,9 @@ def load_pipeline(source: str = "embedded", *, dtype: torch.dtype = torch.bfloat
                   compile: bool = False, allow_download: bool = False, **overrides) -> Pipeline:
     """Load `embedded`, a local diffusers-format folder or (with allow_download) a Hub repo id."""
     parts = load_pipeline_parts(source, dtype=dtype, device=device, allow_download=allow_download, **overrides)
+    decode_frame = decode_latent_frame
     if compile:
         parts.transformer.compile_blocks()
-    return Pipeline(parts.config, parts.transformer, parts.vae, parts.text_encoder, torch.device(device), dtype)
+        decode_frame = compile_frame_decoder()
+    return Pipeline(parts.config, parts.transformer, parts.vae, parts.text_encoder, torch.device(device), dtype,
+                    decode_frame)

@@ -41,8 +41,8 @@ class RolloutState:
     """Everything a world carries from one block to the next. Replaced whole by each committed block."""
 
     block_index: int
-    condition: vae_stream.ConditionState
-    decoder: vae_stream.DecoderState
+    condition: vae_stream.ConditionStream
+    decoder: vae_stream.DecoderStream
     kv: SessionKV
     rng_state: torch.Tensor  # CPU generator state; one stream of noise for the whole rollout
     camera: camera.CameraState
@@ -69,8 +69,8 @@ def new_rollout(config: ModelConfig, vae, image: torch.Tensor, text_kv: Any, pro
     generator = torch.Generator(device="cpu").manual_seed(int(seed))
     return RolloutState(
         block_index=0,
-        condition=vae_stream.ConditionState.start(image.to(device=_device_of(vae), dtype=_dtype_of(vae))),
-        decoder=vae_stream.DecoderState.empty(),
+        condition=vae_stream.ConditionStream.start(image.to(device=_device_of(vae), dtype=_dtype_of(vae))),
+        decoder=vae_stream.DecoderStream(),
         kv=SessionKV.empty(),
         rng_state=generator.get_state(),
         camera=start_camera or camera.CameraState.initial(),
@@ -86,7 +86,9 @@ def release(pool: KVPagePool, state: RolloutState) -> None:
 
 
 def step_block(config: ModelConfig, transformer, vae, pool: KVPagePool, state: RolloutState,
-               control: BlockControl, on_stage: StageHook | None = None) -> tuple[BlockOutput, RolloutState]:
+               control: BlockControl, on_stage: StageHook | None = None,
+               decode_frame: vae_stream.FrameDecoder = vae_stream.decode_latent_frame,
+               ) -> tuple[BlockOutput, RolloutState]:
     """Generate one block; returns its output and the committed state. `state` itself is never modified."""
     frames_per_block = config.transformer.num_frames_per_block
     start_frame = state.block_index * frames_per_block
@@ -108,7 +110,7 @@ def step_block(config: ModelConfig, transformer, vae, pool: KVPagePool, state: R
     try:
         # 1. Camera: poses for this block's latent frames, then the Plücker map anchored on the previous tail.
         poses, intrinsics, next_camera = _block_camera(config, state.camera, control)
-        plucker = camera.plucker_block(state.camera.tail_pose, poses, intrinsics, config.width, config.height,
+        plucker = camera.plucker_block(state.camera.pose, poses, intrinsics, config.width, config.height,
                                        config.camera).unsqueeze(0).to(device=device, dtype=dtype)
 
         # 2. Condition block from the session's causal encoder history (pending until commit).
@@ -139,7 +141,7 @@ def step_block(config: ModelConfig, transformer, vae, pool: KVPagePool, state: R
 
         # 5. Streaming decode (pending decoder state).
         enter("decode")
-        frames, next_decoder = vae_stream.decode_block(vae, state.decoder, latents.to(_dtype_of(vae)))
+        frames, next_decoder = vae_stream.decode_block(vae, state.decoder, latents, decode_frame)
         enter("done")  # closes the decode timing
     except BaseException:
         pool.allocator.free(new_pages)
@@ -160,12 +162,10 @@ def _block_camera(config: ModelConfig, camera_state: camera.CameraState, control
         intrinsics = np.asarray(control.intrinsics, dtype=np.float64)
         if poses.shape != (frames_per_block, 4, 4) or intrinsics.shape != (frames_per_block, 4):
             raise ValueError(f"a block needs poses [{frames_per_block},4,4] and intrinsics [{frames_per_block},4]")
-        return poses, intrinsics, camera.CameraState.from_pose(poses[-1])
+        return poses, intrinsics, camera.CameraState(poses[-1])
     actions = control.actions if control.actions is not None else (frozenset(),) * frames_per_block
     poses, next_camera = camera.integrate_actions(camera_state, actions, config.camera)
-    fx, fy, cx, cy = camera.reference_intrinsics(config.camera)
-    intrinsics = np.tile(np.array([fx, fy, cx, cy], dtype=np.float64), (frames_per_block, 1))
-    return poses, intrinsics, next_camera
+    return poses, camera.reference_intrinsics(config.camera, frames_per_block), next_camera
 
 
 def _timestep(value: float, device) -> torch.Tensor:

@@ -1,0 +1,517 @@
+"""Actions -> camera poses -> Plücker maps, and hardened camera-trajectory files.
+
+All maths is numpy float64; torch appears only in `plucker_block`'s return value. Every constant
+(step sizes, focal length, reference frame, file limits) comes from `CameraConfig`.
+
+Conventions
+-----------
+Poses are 4x4 camera-to-world matrices in the OpenCV camera convention: +x right, +y down,
++z forward. Rotations are right-handed:
+
+    R_x(a) = [[1, 0, 0], [0, c, -s], [0, s, c]]    R_y(a) = [[c, 0, s], [0, 1, 0], [-s, 0, c]]
+
+so a positive pitch tips the forward axis (0, 0, 1) to (0, -sin a, cos a): up, since +y is down;
+and a positive yaw turns it to (sin a, 0, cos a): right. Hence
+
+    i: pitch +pitch_step (look up)     k: pitch -pitch_step (look down)
+    l: yaw   +yaw_step   (turn right)  j: yaw   -yaw_step   (turn left)
+    w/s: +/- move_step along the horizontal forward axis (R[0,2], 0, R[2,2]), normalised
+    d/a: +/- move_step along the horizontal right axis  (R[0,0], 0, R[2,0]), normalised
+
+Opposite keys in one frame cancel. Within one frame the rotation is applied first,
+R' = R_y(yaw) . R . R_x(pitch), and the move uses the axes of R'. Pitch is tracked in
+`CameraState.pitch_deg` (relative to the session's start pose) and clamped to +-pitch_limit;
+only the clamped delta is applied, so the pose's pitch can never pass the limit.
+
+Public API
+----------
+    VALID_KEYS                                                  frozenset("wasdijkl")
+    ActionError(ValueError), TrajectoryError(ValueError)
+    validate_frame_actions(frames, frames_per_block) -> tuple[frozenset[str], ...]
+    CameraState(pose, pitch_deg);  CameraState.initial()
+    integrate_actions(state, frames_actions, cfg) -> (poses [F,4,4] float64, CameraState)
+    intrinsics_for(cfg, width, height) -> (fx, fy, cx, cy)      in pixels of a width x height frame
+    reference_intrinsics(cfg, num_frames) -> [F, 4]             the same, in 832x480 reference pixels
+    plucker_block(anchor_pose, poses, intrinsics, width, height, cfg) -> torch.float32 [F, 6, H, W]
+    load_trajectory(poses_path, intrinsics_path, trusted_root, cfg) -> (poses [F,4,4], intrinsics [F,4])
+    validate_trajectory(poses, intrinsics, cfg) -> (poses, intrinsics)   float64 copies
+    resample_trajectory(poses, intrinsics, num_frames) -> (poses, intrinsics)
+    trajectory_blocks(poses, intrinsics, num_blocks, frames_per_block) -> tuple[TrajectoryBlock, ...]
+
+Anchors: a block's Plücker sequence is [anchor + its poses]. For an action-driven session the
+anchor of block 0 is the identity (`CameraState.initial().pose`) and later anchors are the previous
+block's last pose. For a trajectory file the anchor of block 0 is the trajectory's own first pose
+(so the first frame has zero motion whatever world frame the file uses); later anchors are again
+the previous block's last pose.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Collection, NamedTuple, Sequence
+
+import numpy as np
+import torch
+from numpy.lib import format as npy_format
+
+from lingbot_core.config import CameraConfig
+
+VALID_KEYS: frozenset[str] = frozenset("wasdijkl")
+
+# Below this the horizontal part of an axis has no usable direction (camera looking straight
+# up or down); the move is skipped rather than amplifying noise.
+_DEGENERATE_AXIS = 1e-9
+# |det R| below this is treated as a singular rotation block.
+_SINGULAR_DET = 1e-9
+
+
+class ActionError(ValueError):
+    """A per-frame action list is malformed."""
+
+
+class TrajectoryError(ValueError):
+    """A camera trajectory (file or arrays) is unusable."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Actions
+
+
+def validate_frame_actions(frames: object, frames_per_block: int) -> tuple[frozenset[str], ...]:
+    """Check one block's actions: a list of `frames_per_block` lists of key strings."""
+    if not isinstance(frames, (list, tuple)):
+        raise ActionError(f"actions must be a list of {frames_per_block} per-frame key lists; "
+                          f"got {type(frames).__name__}")
+    if len(frames) != frames_per_block:
+        raise ActionError(f"actions must have exactly {frames_per_block} per-frame key lists; got {len(frames)}")
+    return tuple(_frame_keys(keys, index) for index, keys in enumerate(frames))
+
+
+def _frame_keys(keys: object, index: int) -> frozenset[str]:
+    # A bare string would iterate as characters ("wd" -> w, d); refuse it so typos stay visible.
+    if not isinstance(keys, (list, tuple, set, frozenset)):
+        raise ActionError(f"actions for frame {index} must be a list of keys; got {type(keys).__name__}")
+    for key in keys:
+        if not isinstance(key, str):
+            raise ActionError(f"actions for frame {index} contain a non-string key {key!r} "
+                              f"({type(key).__name__})")
+        if key not in VALID_KEYS:
+            raise ActionError(f"actions for frame {index} contain unknown key {key!r}; "
+                              f"valid keys are {''.join(sorted(VALID_KEYS))}")
+    return frozenset(keys)
+
+
+# ----------------------------------------------------------------------------------------------
+# Integrator
+
+
+@dataclass(frozen=True, eq=False)
+class CameraState:
+    """The tail of an action-driven camera path: last camera-to-world pose and tracked pitch."""
+
+    pose: np.ndarray  # [4, 4] float64, read-only
+    pitch_deg: float = 0.0
+
+    def __post_init__(self) -> None:
+        pose = np.array(self.pose, dtype=np.float64)  # always a private copy
+        if pose.shape != (4, 4) or not np.isfinite(pose).all():
+            raise ValueError(f"CameraState.pose must be a finite 4x4 matrix; got shape {pose.shape}")
+        pose.setflags(write=False)
+        object.__setattr__(self, "pose", pose)
+        object.__setattr__(self, "pitch_deg", float(self.pitch_deg))
+
+    @classmethod
+    def initial(cls) -> "CameraState":
+        return cls(np.eye(4), 0.0)
+
+
+def rotation_x(deg: float) -> np.ndarray:
+    a = math.radians(deg)
+    c, s = math.cos(a), math.sin(a)
+    return np.array([[1.0, 0.0, 0.0], [0.0, c, -s], [0.0, s, c]])
+
+
+def rotation_y(deg: float) -> np.ndarray:
+    a = math.radians(deg)
+    c, s = math.cos(a), math.sin(a)
+    return np.array([[c, 0.0, s], [0.0, 1.0, 0.0], [-s, 0.0, c]])
+
+
+def _horizontal(x: float, z: float) -> np.ndarray | None:
+    norm = math.hypot(x, z)
+    if norm < _DEGENERATE_AXIS:
+        return None
+    return np.array([x / norm, 0.0, z / norm])
+
+
+def integrate_actions(state: CameraState, frames_actions: Sequence[Collection[str]],
+                      cfg: CameraConfig) -> tuple[np.ndarray, CameraState]:
+    """Step the camera once per latent frame; returns each frame's pose [F, 4, 4] and the new tail.
+
+    Pure: `state` is never modified.
+    """
+    frames = [_frame_keys(keys, i) for i, keys in enumerate(frames_actions)]
+    rotation = state.pose[:3, :3].copy()
+    position = state.pose[:3, 3].copy()
+    pitch = state.pitch_deg
+    poses = np.empty((len(frames), 4, 4))
+    for index, keys in enumerate(frames):
+        new_pitch = min(max(pitch + cfg.pitch_step_deg * (("i" in keys) - ("k" in keys)),
+                            -cfg.pitch_limit_deg), cfg.pitch_limit_deg)
+        yaw = cfg.yaw_step_deg * (("l" in keys) - ("j" in keys))
+        rotation = rotation_y(yaw) @ rotation @ rotation_x(new_pitch - pitch)
+        pitch = new_pitch
+
+        forward = _horizontal(rotation[0, 2], rotation[2, 2])
+        right = _horizontal(rotation[0, 0], rotation[2, 0])
+        ahead = ("w" in keys) - ("s" in keys)
+        aside = ("d" in keys) - ("a" in keys)
+        if ahead and forward is not None:
+            position = position + cfg.move_step * ahead * forward
+        if aside and right is not None:
+            position = position + cfg.move_step * aside * right
+
+        poses[index] = np.eye(4)
+        poses[index, :3, :3] = rotation
+        poses[index, :3, 3] = position
+    tail = poses[-1] if len(frames) else state.pose
+    return poses, CameraState(tail, pitch)
+
+
+# ----------------------------------------------------------------------------------------------
+# Intrinsics and Plücker maps
+
+
+def reference_intrinsics(cfg: CameraConfig, num_frames: int) -> np.ndarray:
+    """Default intrinsics [F, 4] = (fx, fy, cx, cy) in reference pixels, as `plucker_block` takes them."""
+    row = [cfg.focal_px, cfg.focal_px, cfg.reference_width / 2, cfg.reference_height / 2]
+    return np.tile(np.array(row, dtype=np.float64), (num_frames, 1))
+
+
+def _scale_intrinsics(intrinsics: np.ndarray, cfg: CameraConfig, width: int, height: int) -> np.ndarray:
+    """Reference-frame (fx, fy, cx, cy) [..., 4] -> pixels of a width x height frame."""
+    sx = width / cfg.reference_width
+    sy = height / cfg.reference_height
+    return intrinsics * np.array([sx, sy, sx, sy])
+
+
+def intrinsics_for(cfg: CameraConfig, width: int, height: int) -> tuple[float, float, float, float]:
+    """Default (fx, fy, cx, cy) in pixels of a width x height frame (the reference values, scaled)."""
+    fx, fy, cx, cy = _scale_intrinsics(reference_intrinsics(cfg, 1)[0], cfg, width, height)
+    return float(fx), float(fy), float(cx), float(cy)
+
+
+def _normalise(v: np.ndarray) -> np.ndarray:
+    return v / np.linalg.norm(v, axis=-1, keepdims=True)
+
+
+def plucker_block(anchor_pose: np.ndarray, poses: np.ndarray, intrinsics: np.ndarray,
+                  width: int, height: int, cfg: CameraConfig) -> torch.Tensor:
+    """Plücker map of one block: float32 [F, 6, H, W] = [ray origin xyz, ray direction xyz].
+
+    anchor_pose [4, 4]: the pose before this block; its row is used for the relative/delta/normalise
+    steps and dropped from the output. poses [F, 4, 4] camera-to-world; intrinsics [F, 4] in
+    reference pixels (scaled here by width/reference_width and height/reference_height).
+    """
+    anchor_pose = np.asarray(anchor_pose, dtype=np.float64)
+    poses = np.asarray(poses, dtype=np.float64)
+    intrinsics = np.asarray(intrinsics, dtype=np.float64)
+    if anchor_pose.shape != (4, 4):
+        raise ValueError(f"anchor_pose must be [4, 4]; got {list(anchor_pose.shape)}")
+    if poses.ndim != 3 or poses.shape[1:] != (4, 4) or len(poses) == 0:
+        raise ValueError(f"poses must be [F, 4, 4] with F >= 1; got {list(poses.shape)}")
+    if intrinsics.shape != (len(poses), 4):
+        raise ValueError(f"intrinsics must be [{len(poses)}, 4]; got {list(intrinsics.shape)}")
+    if width < 1 or height < 1:
+        raise ValueError(f"width and height must be positive; got {width}x{height}")
+
+    sequence = np.concatenate([anchor_pose[None], poses])  # [F+1, 4, 4]
+    relative = np.linalg.inv(sequence[0]) @ sequence
+    deltas = np.broadcast_to(np.eye(4), sequence.shape).copy()
+    deltas[1:] = np.linalg.inv(relative[:-1]) @ relative[1:]
+    origins = deltas[:, :3, 3]  # [F+1, 3]
+    largest = np.linalg.norm(origins, axis=-1).max()
+    if largest > 0:
+        origins = origins / largest
+    # Drop the anchor row now that it has taken part in the relative/delta/normalise steps.
+    origins, rotations = origins[1:], deltas[1:, :3, :3]
+
+    k = _scale_intrinsics(intrinsics, cfg, width, height)  # [F, 4]
+    fx, fy, cx, cy = (k[:, i, None, None] for i in range(4))  # each [F, 1, 1]
+    xs = (np.arange(width) + 0.5)[None, None, :]  # [1, 1, W]
+    ys = (np.arange(height) + 0.5)[None, :, None]  # [1, H, 1]
+    shape = (len(poses), height, width)
+    camera_rays = np.stack([np.broadcast_to((xs - cx) / fx, shape), np.broadcast_to((ys - cy) / fy, shape),
+                            np.ones(shape)], axis=-1)  # [F, H, W, 3]
+    directions = _normalise(np.einsum("fij,fhwj->fhwi", rotations, _normalise(camera_rays)))
+    origin_map = np.broadcast_to(origins[:, None, None, :], directions.shape)  # [F, H, W, 3]
+    maps = np.concatenate([origin_map, directions], axis=-1).transpose(0, 3, 1, 2)  # [F, 6, H, W]
+    return torch.from_numpy(np.ascontiguousarray(maps, dtype=np.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# Trajectory files
+
+
+def _resolve_under_root(path: str | os.PathLike, root: Path, root_real: Path) -> Path:
+    """The real path of `path`, refusing escapes from `root` and symlinks at or below it."""
+    raw = Path(path)
+    candidate = Path(os.path.abspath(raw if raw.is_absolute() else root / raw))
+    for base in (Path(os.path.abspath(root)), root_real):
+        if candidate.is_relative_to(base):
+            parts = candidate.relative_to(base).parts
+            break
+    else:
+        raise TrajectoryError(f"{path}: is outside the trusted root {root}")
+    if not parts:
+        raise TrajectoryError(f"{path}: is the trusted root itself, not a file")
+    current = root_real
+    for part in parts:
+        current = current / part
+        try:
+            info = os.lstat(current)
+        except OSError as exc:
+            raise TrajectoryError(f"{path}: cannot be read ({exc.strerror})") from exc
+        if stat.S_ISLNK(info.st_mode):
+            raise TrajectoryError(f"{path}: {current} is a symlink; symlinks are not allowed")
+    if not stat.S_ISREG(info.st_mode):
+        raise TrajectoryError(f"{path}: is not a regular file")
+    if not Path(os.path.realpath(current)).is_relative_to(root_real):  # belt and braces
+        raise TrajectoryError(f"{path}: resolves outside the trusted root {root}")
+    return current
+
+
+def _read_npy(path: Path, name: str, trailing_shape: tuple[int, ...], cfg: CameraConfig) -> np.ndarray:
+    """Read one numeric NPY (v1/v2) of shape [F, *trailing_shape] without pickle or trusting sizes."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise TrajectoryError(f"{name}: cannot be opened ({exc.strerror})") from exc
+    with os.fdopen(fd, "rb") as fp:
+        info = os.fstat(fp.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise TrajectoryError(f"{name}: is not a regular file")
+        file_size = info.st_size
+        try:
+            version = npy_format.read_magic(fp)
+        except ValueError as exc:
+            raise TrajectoryError(f"{name}: is not an NPY file ({exc})") from exc
+        if version not in ((1, 0), (2, 0)):
+            raise TrajectoryError(f"{name}: NPY format version {version[0]}.{version[1]} is not allowed; "
+                                  "only 1.0 and 2.0")
+        # Check the declared header length ourselves: numpy would read all of it before its check.
+        length_format = "<H" if version == (1, 0) else "<I"
+        length_bytes = fp.read(struct.calcsize(length_format))
+        if len(length_bytes) != struct.calcsize(length_format):
+            raise TrajectoryError(f"{name}: file ends inside the NPY header")
+        (header_length,) = struct.unpack(length_format, length_bytes)
+        if header_length > cfg.max_npy_header_bytes:
+            raise TrajectoryError(f"{name}: NPY header of {header_length} bytes exceeds the limit of "
+                                  f"{cfg.max_npy_header_bytes}")
+        fp.seek(npy_format.MAGIC_LEN)
+        read_header = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
+        try:
+            shape, fortran_order, dtype = read_header(fp, max_header_size=cfg.max_npy_header_bytes)
+        except (ValueError, TypeError, SyntaxError) as exc:
+            raise TrajectoryError(f"{name}: bad NPY header ({exc})") from exc
+        data_offset = fp.tell()
+
+        if dtype.kind not in "fiu" or dtype.hasobject:
+            raise TrajectoryError(f"{name}: dtype {dtype} is not allowed; need a float or integer dtype")
+        expected = "[F, " + ", ".join(map(str, trailing_shape)) + "]"
+        if len(shape) != 1 + len(trailing_shape) or tuple(shape[1:]) != trailing_shape:
+            raise TrajectoryError(f"{name}: shape {list(shape)} is wrong; need {expected}")
+        frames = shape[0]
+        if not 1 <= frames <= cfg.max_trajectory_frames:
+            raise TrajectoryError(f"{name}: has {frames} frames; need 1 <= F <= {cfg.max_trajectory_frames}")
+        data_size = math.prod(shape) * dtype.itemsize
+        if file_size != data_offset + data_size:
+            raise TrajectoryError(f"{name}: file size {file_size} bytes does not match its header "
+                                  f"({data_offset} header + {data_size} data = {data_offset + data_size})")
+        data = fp.read(data_size)
+        if len(data) != data_size:
+            raise TrajectoryError(f"{name}: file changed while reading (short read)")
+    array = np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran_order else "C")
+    return array.astype(np.float64)
+
+
+def load_trajectory(poses_path: str | os.PathLike, intrinsics_path: str | os.PathLike,
+                    trusted_root: str | os.PathLike,
+                    cfg: CameraConfig = CameraConfig()) -> tuple[np.ndarray, np.ndarray]:
+    """Load `poses.npy` [F, 4, 4] (c2w, OpenCV) and `intrinsics.npy` [F, 4] (reference pixels).
+
+    Relative paths are taken relative to `trusted_root`. Returns float64 arrays; any problem
+    raises `TrajectoryError` naming the file.
+    """
+    root = Path(trusted_root)
+    if not root.is_dir():
+        raise TrajectoryError(f"trusted root {root} is not a directory")
+    root_real = Path(os.path.realpath(root))
+    poses = _read_npy(_resolve_under_root(poses_path, root, root_real), str(poses_path), (4, 4), cfg)
+    intrinsics = _read_npy(_resolve_under_root(intrinsics_path, root, root_real), str(intrinsics_path), (4,), cfg)
+    return validate_trajectory(poses, intrinsics, cfg, names=(str(poses_path), str(intrinsics_path)))
+
+
+def validate_trajectory(poses: object, intrinsics: object, cfg: CameraConfig = CameraConfig(),
+                        names: tuple[str, str] = ("poses", "intrinsics")) -> tuple[np.ndarray, np.ndarray]:
+    """Value checks for a trajectory from anywhere; returns float64 copies.
+
+    poses [F, 4, 4]: finite, rotation block non-singular with det > 0. intrinsics [F, 4]: finite,
+    fx > 0 and fy > 0. 1 <= F <= max_trajectory_frames and equal in both.
+    """
+    checked = []
+    for array, name, trailing in ((poses, names[0], (4, 4)), (intrinsics, names[1], (4,))):
+        array = np.asarray(array)
+        if array.dtype.kind not in "fiu":
+            raise TrajectoryError(f"{name}: dtype {array.dtype} is not allowed; need a float or integer dtype")
+        if array.ndim != 1 + len(trailing) or array.shape[1:] != trailing:
+            raise TrajectoryError(f"{name}: shape {list(array.shape)} is wrong; need [F, "
+                                  + ", ".join(map(str, trailing)) + "]")
+        if not 1 <= len(array) <= cfg.max_trajectory_frames:
+            raise TrajectoryError(f"{name}: has {len(array)} frames; need 1 <= F <= {cfg.max_trajectory_frames}")
+        array = np.array(array, dtype=np.float64)
+        bad = np.flatnonzero(~np.isfinite(array.reshape(len(array), -1)).all(axis=1))
+        if bad.size:
+            raise TrajectoryError(f"{name}: frame {bad[0]} has a non-finite value (NaN or inf)")
+        checked.append(array)
+    poses, intrinsics = checked
+    if len(poses) != len(intrinsics):
+        raise TrajectoryError(f"{names[0]} has {len(poses)} frames but {names[1]} has {len(intrinsics)}")
+    dets = np.linalg.det(poses[:, :3, :3])
+    bad = np.flatnonzero(~(dets > _SINGULAR_DET))
+    if bad.size:
+        raise TrajectoryError(f"{names[0]}: frame {bad[0]} rotation is singular or reflected "
+                              f"(det {dets[bad[0]]:.3g})")
+    bad = np.flatnonzero(~((intrinsics[:, 0] > 0) & (intrinsics[:, 1] > 0)))
+    if bad.size:
+        raise TrajectoryError(f"{names[1]}: frame {bad[0]} focal lengths must be positive; "
+                              f"got fx={intrinsics[bad[0], 0]}, fy={intrinsics[bad[0], 1]}")
+    return poses, intrinsics
+
+
+# ----------------------------------------------------------------------------------------------
+# Resampling
+
+
+def _nearest_rotation(matrices: np.ndarray) -> np.ndarray:
+    """Project [N, 3, 3] onto SO(3) (polar decomposition) so quaternion conversion is exact."""
+    u, _, vt = np.linalg.svd(matrices)
+    return u @ vt
+
+
+def _matrix_to_quaternion(r: np.ndarray) -> np.ndarray:
+    """[N, 3, 3] rotations -> [N, 4] unit quaternions (w, x, y, z), via the largest component."""
+    trace = np.trace(r, axis1=-2, axis2=-1)
+    squares = np.stack([1 + trace, 1 + r[:, 0, 0] - r[:, 1, 1] - r[:, 2, 2],
+                        1 - r[:, 0, 0] + r[:, 1, 1] - r[:, 2, 2], 1 - r[:, 0, 0] - r[:, 1, 1] + r[:, 2, 2]], axis=-1)
+    big = np.sqrt(np.maximum(squares, 0.0)) / 2  # [N, 4]
+    d = 4 * np.maximum(big, 1e-300)
+    a = r[:, 2, 1] - r[:, 1, 2]
+    b = r[:, 0, 2] - r[:, 2, 0]
+    c = r[:, 1, 0] - r[:, 0, 1]
+    xy = r[:, 0, 1] + r[:, 1, 0]
+    xz = r[:, 0, 2] + r[:, 2, 0]
+    yz = r[:, 1, 2] + r[:, 2, 1]
+    candidates = np.stack([
+        np.stack([big[:, 0], a / d[:, 0], b / d[:, 0], c / d[:, 0]], -1),
+        np.stack([a / d[:, 1], big[:, 1], xy / d[:, 1], xz / d[:, 1]], -1),
+        np.stack([b / d[:, 2], xy / d[:, 2], big[:, 2], yz / d[:, 2]], -1),
+        np.stack([c / d[:, 3], xz / d[:, 3], yz / d[:, 3], big[:, 3]], -1),
+    ], axis=1)  # [N, 4 candidates, 4]
+    q = candidates[np.arange(len(r)), np.argmax(squares, axis=-1)]
+    return _normalise(q)
+
+
+def _quaternion_to_matrix(q: np.ndarray) -> np.ndarray:
+    w, x, y, z = np.moveaxis(q, -1, 0)
+    return np.stack([
+        np.stack([1 - 2 * (y * y + z * z), 2 * (x * y - w * z), 2 * (x * z + w * y)], -1),
+        np.stack([2 * (x * y + w * z), 1 - 2 * (x * x + z * z), 2 * (y * z - w * x)], -1),
+        np.stack([2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)], -1),
+    ], axis=-2)
+
+
+def _slerp(q0: np.ndarray, q1: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Shortest-arc spherical interpolation of [N, 4] unit quaternions at fractions u [N]."""
+    dot = np.sum(q0 * q1, axis=-1)
+    q1 = np.where(dot[:, None] < 0, -q1, q1)  # q and -q are the same rotation; take the short way
+    dot = np.clip(np.abs(dot), 0.0, 1.0)
+    theta = np.arccos(dot)
+    sin_theta = np.sin(theta)
+    nearly_equal = sin_theta < 1e-12  # fall back to lerp where the arc is too short to divide by
+    safe = np.where(nearly_equal, 1.0, sin_theta)
+    w0 = np.where(nearly_equal, 1 - u, np.sin((1 - u) * theta) / safe)
+    w1 = np.where(nearly_equal, u, np.sin(u * theta) / safe)
+    return _normalise(w0[:, None] * q0 + w1[:, None] * q1)
+
+
+def resample_trajectory(poses: np.ndarray, intrinsics: np.ndarray,
+                        num_frames: int) -> tuple[np.ndarray, np.ndarray]:
+    """Resample to `num_frames` samples spread uniformly over [0, F-1].
+
+    Rotation: quaternion SLERP; translation and intrinsics: linear. Samples that land on an input
+    frame return it unchanged. No cap on F or num_frames.
+    """
+    poses = np.asarray(poses, dtype=np.float64)
+    intrinsics = np.asarray(intrinsics, dtype=np.float64)
+    if isinstance(num_frames, bool) or not isinstance(num_frames, (int, np.integer)) or num_frames < 1:
+        raise ValueError(f"num_frames must be a positive integer; got {num_frames!r}")
+    count = len(poses)
+    if count == 0 or len(intrinsics) != count:
+        raise ValueError(f"need equal, non-zero frame counts; got {count} poses and {len(intrinsics)} intrinsics")
+    if num_frames == count:
+        return poses.copy(), intrinsics.copy()
+    if count == 1:
+        return np.repeat(poses, num_frames, axis=0), np.repeat(intrinsics, num_frames, axis=0)
+
+    # k*(F-1) is an exact integer, so the last sample lands exactly on F-1.
+    positions = np.arange(num_frames) * (count - 1) / max(num_frames - 1, 1)
+    lower = np.minimum(np.floor(positions).astype(np.int64), count - 2)
+    u = positions - lower  # in [0, 1]
+    upper = lower + 1
+
+    quats = _matrix_to_quaternion(_nearest_rotation(poses[:, :3, :3]))
+    out_poses = np.broadcast_to(np.eye(4), (num_frames, 4, 4)).copy()
+    out_poses[:, :3, :3] = _quaternion_to_matrix(_slerp(quats[lower], quats[upper], u))
+    out_poses[:, :3, 3] = (1 - u)[:, None] * poses[lower, :3, 3] + u[:, None] * poses[upper, :3, 3]
+    out_intrinsics = (1 - u)[:, None] * intrinsics[lower] + u[:, None] * intrinsics[upper]
+    # Samples exactly on an input frame keep that frame bit for bit.
+    for hit, source in ((u == 0, lower), (u == 1, upper)):
+        out_poses[hit] = poses[source[hit]]
+        out_intrinsics[hit] = intrinsics[source[hit]]
+    return out_poses, out_intrinsics
+
+
+class TrajectoryBlock(NamedTuple):
+    anchor: np.ndarray  # [4, 4] the pose before this block
+    poses: np.ndarray  # [frames_per_block, 4, 4]
+    intrinsics: np.ndarray  # [frames_per_block, 4] reference pixels
+
+
+def trajectory_blocks(poses: np.ndarray, intrinsics: np.ndarray, num_blocks: int,
+                      frames_per_block: int) -> tuple[TrajectoryBlock, ...]:
+    """Split a trajectory of exactly num_blocks * frames_per_block latent frames into blocks.
+
+    Block 0's anchor is the trajectory's own first pose; block b's anchor is block b-1's last pose.
+    Resample first (`resample_trajectory`) to reach the right frame count.
+    """
+    poses = np.asarray(poses, dtype=np.float64)
+    intrinsics = np.asarray(intrinsics, dtype=np.float64)
+    needed = num_blocks * frames_per_block
+    if num_blocks < 1 or frames_per_block < 1 or len(poses) != needed or len(intrinsics) != needed:
+        raise TrajectoryError(f"trajectory has {len(poses)} poses and {len(intrinsics)} intrinsics; "
+                              f"{num_blocks} blocks of {frames_per_block} frames need {needed} of each "
+                              "(resample first)")
+    blocks = []
+    for b in range(num_blocks):
+        start = b * frames_per_block
+        anchor = poses[0] if b == 0 else poses[start - 1]
+        blocks.append(TrajectoryBlock(anchor.copy(), poses[start:start + frames_per_block].copy(),
+                                      intrinsics[start:start + frames_per_block].copy()))
+    return tuple(blocks)

@@ -1,0 +1,328 @@
+"""Streaming condition encoder and decoder over diffusers' `AutoencoderKLWan` (Wan 2.1 VAE).
+
+The VAE is causal in time: every causal conv keeps the last frames it saw (its "feature cache").
+diffusers keeps that cache on the module (`_enc_feat_map`, `_feat_map`) and clears it around each
+call. Here the cache belongs to the caller (a session), so one VAE serves many sessions and a block
+can be retried: each call copies the committed cache list, lets the VAE write new tensors into the
+copy, and returns it as a *pending* state. The caller keeps the pending state only when the whole
+block succeeded; otherwise it keeps the committed one, which no call ever mutates.
+
+We drive the VAE's own sub-modules (`encoder`, `quant_conv`, `post_quant_conv`, `decoder`) with
+the same chunking as `AutoencoderKLWan._encode` / `_decode`, so streaming equals one-shot.
+
+Public API
+----------
+- `build_vae(model_config, dtype, device, seed=None) -> AutoencoderKLWan`
+- `check_streamable(vae, model_config=None)`: raises `VaeNotStreamableError` (a ValueError).
+- `ConditionStream.start(image)`: condition encoder state of a session; `image` is [1, 3, H, W]
+  in [-1, 1]. `encode_condition_block(vae, state, block_index, model_config) -> (cond, pending)`
+  with `cond` [1, z_dim, num_frames_per_block, h, w], normalised per channel.
+- `condition_mask(model_config, block_index, device, dtype) -> [1, mask_channels, F, h, w]`.
+- `DecoderStream()`: decoder state of a session.
+  `decode_block(vae, state, latents, decode_frame=decode_latent_frame) -> (frames, pending)`
+  with `latents` [1, z_dim, F, h, w] normalised and `frames` [1, 3, T, H, W] in [-1, 1].
+- `decode_latent_frame(vae, x, cache, first_chunk)`: decoder step for one latent frame;
+  `compile_frame_decoder(**options)` returns a `torch.compile`d version to pass as `decode_frame`.
+- Both states report `nbytes()`: bytes of the tensor storage they hold.
+
+Commit protocol: `cond, pending = encode_condition_block(vae, state, k, cfg)`; when block k has
+fully succeeded the caller replaces `state` with `pending`; on failure it drops `pending`. States
+are frozen dataclasses; their cache lists are never written after they are returned.
+
+Condition fixed point: after the image, the encoder only sees zero frames and its memory is
+finite, so its cache eventually reproduces itself exactly. When a block ends with the same cache
+it started with, every later block would produce the same condition: the state then keeps only
+that condition (`fixed=True`), frees the cache, and later blocks cost no encoding. The test is
+exact (`torch.equal` on every slot), so a backend whose convolutions are not bit-reproducible
+simply never reaches the fixed point: it keeps encoding, and the results stay correct.
+Returned tensors (conditions, frames) are shared with the state: treat them as read-only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKLWan
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+
+from lingbot_core.config import ModelConfig
+
+# `AutoencoderKLWan._encode` slices pixel frames into chunks of this many frames (a literal in
+# diffusers), so only a VAE whose temporal factor equals it encodes one latent frame per chunk.
+DIFFUSERS_ENCODE_CHUNK_FRAMES = 4
+
+# One feature-cache slot: a tensor of recent frames, None (nothing seen yet) or the string "Rep"
+# (a temporal upsampler that has seen only the first chunk: pad with zeros next time).
+CacheEntry = torch.Tensor | str | None
+FeatureCache = list[CacheEntry]
+FrameDecoder = Callable[[AutoencoderKLWan, torch.Tensor, FeatureCache, bool], torch.Tensor]
+
+
+class VaeNotStreamableError(ValueError):
+    """The VAE (or its pairing with the model config) cannot be driven block by block."""
+
+
+class StreamOrderError(ValueError):
+    """A block was requested out of order for a stream state."""
+
+
+def build_vae(model_config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+              seed: int | None = None) -> AutoencoderKLWan:
+    """An `AutoencoderKLWan` from `model_config.vae`, in eval mode without gradients.
+
+    With `seed`, the weights are the module's default init drawn from that seed (the global RNG is
+    left untouched); without it, they come from the global RNG and are meant to be overwritten.
+    """
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        vae = AutoencoderKLWan(**model_config.vae)
+    # nn.Module.to, not ModelMixin.to: the latter warns about fp32-kept modules even though this
+    # class keeps none (its list is empty), on every build.
+    torch.nn.Module.to(vae, device=device, dtype=dtype)
+    return vae.eval().requires_grad_(False)
+
+
+def check_streamable(vae: AutoencoderKLWan, model_config: ModelConfig | None = None) -> None:
+    """Refuse VAEs whose caching differs from the plain Wan 2.1 path this module replays."""
+    cfg = vae.config
+    if vae.use_tiling:
+        raise VaeNotStreamableError(
+            "VAE tiling is enabled (vae.use_tiling); tiled encode/decode keeps one cache per tile and "
+            "cannot be streamed: call vae.disable_tiling()")
+    if cfg.patch_size is not None:
+        raise VaeNotStreamableError(
+            f"patched VAE (config.patch_size={cfg.patch_size}, the Wan 2.2 VAE) is not supported; "
+            "use the Wan 2.1 VAE")
+    if cfg.is_residual:
+        raise VaeNotStreamableError("residual VAE (config.is_residual=True, the Wan 2.2 VAE) is not supported")
+    temporal_factor = 2 ** sum(bool(d) for d in cfg.temperal_downsample)
+    if temporal_factor != DIFFUSERS_ENCODE_CHUNK_FRAMES:
+        raise VaeNotStreamableError(
+            f"VAE temporal factor is {temporal_factor} (temperal_downsample={list(cfg.temperal_downsample)}); "
+            f"diffusers encodes chunks of {DIFFUSERS_ENCODE_CHUNK_FRAMES} frames, so exactly two levels must "
+            "downsample in time")
+    if model_config is None:
+        return
+    spatial_factor = 2 ** (len(cfg.dim_mult) - 1)
+    if model_config.vae_temporal_factor != temporal_factor:
+        raise VaeNotStreamableError(
+            f"model config vae_temporal_factor={model_config.vae_temporal_factor} but the VAE's is {temporal_factor}")
+    if model_config.vae_spatial_factor != spatial_factor:
+        raise VaeNotStreamableError(
+            f"model config vae_spatial_factor={model_config.vae_spatial_factor} but the VAE's is {spatial_factor}")
+    if model_config.transformer.out_channels != cfg.z_dim:
+        raise VaeNotStreamableError(
+            f"transformer out_channels={model_config.transformer.out_channels} but VAE z_dim={cfg.z_dim}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def _new_cache(module: torch.nn.Module) -> FeatureCache:
+    """One empty slot per causal conv, as `AutoencoderKLWan.clear_cache` sizes it."""
+    return [None] * sum(isinstance(m, WanCausalConv3d) for m in module.modules())
+
+
+def _latent_stats(vae: AutoencoderKLWan, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel latents_mean / latents_std from the VAE config, shaped [1, z_dim, 1, 1, 1]."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean, dtype=like.dtype, device=like.device).view(shape)
+    std = torch.tensor(vae.config.latents_std, dtype=like.dtype, device=like.device).view(shape)
+    return mean, std
+
+
+def _held_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the storages behind the tensors (views count their whole storage, shared storage once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue  # None / "Rep" slots hold nothing
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _caches_equal(a: FeatureCache, b: FeatureCache) -> bool:
+    """Exact equality: same None / "Rep" structure and bit-equal tensors (shapes included)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _vae_param(vae: AutoencoderKLWan) -> torch.Tensor:
+    return next(vae.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# Condition encoder
+
+
+@dataclass(frozen=True)
+class ConditionStream:
+    """A session's condition-encoder state after `next_block` blocks.
+
+    image:     [1, 3, 1, H, W] pixel frame 0; held only until block 0 has been encoded.
+    history:   the encoder's feature cache; None before block 0 and once `fixed`.
+    condition: [1, z_dim, F, h, w] the last encoded block (normalised); None before block 0.
+    fixed:     the history reproduced itself, so `condition` is every later block's condition.
+    """
+
+    image: torch.Tensor | None
+    history: FeatureCache | None
+    condition: torch.Tensor | None
+    next_block: int
+    fixed: bool = False
+
+    @classmethod
+    def start(cls, image: torch.Tensor) -> ConditionStream:
+        if image.ndim != 4 or image.shape[0] != 1 or image.shape[1] != 3:
+            raise ValueError(f"condition image must be [1, 3, H, W]; got {list(image.shape)}")
+        if not image.is_floating_point():
+            raise ValueError(f"condition image must be floating point in [-1, 1]; got {image.dtype}")
+        # Once per session, so the host sync is cheap; catches images left in [0, 1] or [0, 255].
+        if not torch.isfinite(image).all() or image.abs().max() > 1.0 + 1e-3:
+            raise ValueError("condition image must hold finite values in [-1, 1]")
+        # A private copy: the caller's tensor may change or be a view of a larger batch.
+        return cls(image=image.unsqueeze(2).clone(), history=None, condition=None, next_block=0)  # [1, 3, 1, H, W]
+
+    def nbytes(self) -> int:
+        return _held_bytes([self.image, self.condition, *(self.history or [])])
+
+
+def _condition_pixel_chunks(vae: AutoencoderKLWan, state: ConditionStream, block_index: int,
+                            model_config: ModelConfig, like: torch.Tensor) -> list[torch.Tensor]:
+    """The pixel chunks of one block, as `_encode` slices them: block 0 = image + zero groups."""
+    group = model_config.vae_temporal_factor
+    latent_frames = model_config.transformer.num_frames_per_block
+    size = (model_config.height, model_config.width)
+    zeros = torch.zeros(1, vae.config.in_channels, group, *size, dtype=like.dtype, device=like.device)
+    if block_index > 0:
+        return [zeros] * latent_frames  # the encoder never writes into its input
+    if tuple(state.image.shape[-2:]) != size:
+        raise ValueError(f"condition image is {tuple(state.image.shape[-2:])} (HxW) but the model runs at {size}")
+    # The causal VAE maps pixel frame 0 alone to latent frame 0.
+    return [state.image.to(dtype=like.dtype, device=like.device)] + [zeros] * (latent_frames - 1)
+
+
+@torch.no_grad()
+def encode_condition_block(vae: AutoencoderKLWan, state: ConditionStream, block_index: int,
+                           model_config: ModelConfig) -> tuple[torch.Tensor, ConditionStream]:
+    """Condition latents of block `block_index` and the pending state after it.
+
+    Equals frames [F*k, F*(k+1)) of `vae.encode([image, 0, 0, ...]).latent_dist.mean`, normalised
+    with the VAE's latents_mean / latents_std. `state` is not modified.
+    """
+    if block_index != state.next_block:
+        raise StreamOrderError(f"condition stream expects block {state.next_block}, got block {block_index}")
+    if state.fixed:
+        # Fixed point: the encoder would reproduce the same history and the same latents.
+        return state.condition, dataclasses.replace(state, next_block=block_index + 1)
+    check_streamable(vae, model_config)
+
+    like = _vae_param(vae)
+    history = list(state.history) if state.history is not None else _new_cache(vae.encoder)
+    latents = []
+    for chunk in _condition_pixel_chunks(vae, state, block_index, model_config, like):
+        # A fresh conv index per chunk, as in `_encode`; the VAE assigns new tensors into `history`.
+        latents.append(vae.encoder(chunk, feat_cache=history, feat_idx=[0]))
+    moments = vae.quant_conv(torch.cat(latents, dim=2))  # [1, 2*z_dim, F, h, w]: mean, logvar
+    mean, std = _latent_stats(vae, moments)
+    condition = (moments[:, : vae.config.z_dim] - mean) / std  # [1, z_dim, F, h, w]
+
+    fixed = state.history is not None and _caches_equal(state.history, history)
+    pending = ConditionStream(image=None, history=None if fixed else history, condition=condition,
+                              next_block=block_index + 1, fixed=fixed)
+    return condition, pending
+
+
+def condition_mask(model_config: ModelConfig, block_index: int, device: torch.device | str,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """[1, mask_channels, F, h, w]: 1 on every mask channel of the rollout's latent frame 0, else 0."""
+    mask = torch.zeros(1, model_config.transformer.mask_channels, model_config.transformer.num_frames_per_block,
+                       model_config.latent_height, model_config.latent_width, device=device, dtype=dtype)
+    if block_index == 0:
+        mask[:, :, 0] = 1
+    return mask
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoder
+
+
+@dataclass(frozen=True)
+class DecoderStream:
+    """A session's decoder state: the feature cache after `latent_frames_decoded` latent frames."""
+
+    cache: FeatureCache | None = None
+    latent_frames_decoded: int = 0
+
+    @property
+    def started(self) -> bool:
+        return self.latent_frames_decoded > 0
+
+    def nbytes(self) -> int:
+        return _held_bytes(self.cache or [])
+
+
+def decode_latent_frame(vae: AutoencoderKLWan, x: torch.Tensor, cache: FeatureCache,
+                        first_chunk: bool) -> torch.Tensor:
+    """Decode one post-quant latent frame [1, z_dim, 1, h, w], updating `cache` in place.
+
+    Returns [1, 3, 1, H, W] for the rollout's first frame, [1, 3, temporal_factor, H, W] after.
+    """
+    return vae.decoder(x, feat_cache=cache, feat_idx=[0], first_chunk=first_chunk)
+
+
+def compile_frame_decoder(**compile_options: Any) -> FrameDecoder:
+    """`decode_latent_frame` under `torch.compile` (static shapes); pass it to `decode_block`.
+
+    Recompiles only while the cache fills: the first frame, the second, then it is stable.
+    """
+    compile_options.setdefault("dynamic", False)
+    return torch.compile(decode_latent_frame, **compile_options)
+
+
+@torch.no_grad()
+def decode_block(vae: AutoencoderKLWan, state: DecoderStream, latents: torch.Tensor,
+                 decode_frame: FrameDecoder = decode_latent_frame) -> tuple[torch.Tensor, DecoderStream]:
+    """Decode normalised latents [1, z_dim, F, h, w] to frames [1, 3, T, H, W] in [-1, 1].
+
+    T = 1 + 4 (F - 1) for the rollout's first block and 4 F after; equals the matching slice of
+    one-shot `vae.decode(latents * std + mean)`. `state` is not modified.
+    """
+    check_streamable(vae)
+    if latents.ndim != 5 or latents.shape[0] != 1 or latents.shape[1] != vae.config.z_dim:
+        raise ValueError(f"latents must be [1, {vae.config.z_dim}, F, h, w]; got {list(latents.shape)}")
+    if latents.shape[2] == 0:
+        raise ValueError("latents hold no frames")
+
+    like = _vae_param(vae)
+    latents = latents.to(dtype=like.dtype, device=like.device)
+    mean, std = _latent_stats(vae, latents)
+    x = vae.post_quant_conv(latents * std + mean)  # [1, z_dim, F, h, w]
+
+    cache = list(state.cache) if state.cache is not None else _new_cache(vae.decoder)
+    frames = []
+    for i in range(x.shape[2]):
+        # As `_decode` passes it; only the residual (Wan 2.2) up-blocks read the flag, the 2.1 path
+        # handles the first frame through its "Rep" cache slots.
+        first_chunk = not state.started and i == 0
+        frames.append(decode_frame(vae, x[:, :, i : i + 1], cache, first_chunk))
+    out = torch.cat(frames, dim=2).clamp(-1.0, 1.0)  # [1, 3, T, H, W]
+    pending = DecoderStream(cache=cache, latent_frames_decoded=state.latent_frames_decoded + x.shape[2])
+    return out, pending
