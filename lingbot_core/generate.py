@@ -4,7 +4,9 @@
     python -m lingbot_core.generate --image IMG --prompt TEXT --poses P.npy --intrinsics K.npy --out OUT.mp4
 
 Each script event drives one block (3 latent frames, 12 video frames); N blocks give 12N - 3 frames at
-16 FPS. Frames are encoded as they are made, so memory stays flat for any number of events.
+16 FPS. Frames are encoded as they are made, so memory stays flat for any number of events. A checkpoint
+folder runs at 480x832 unless --height/--width say otherwise. Bad input exits with code 2 and leaves no
+output file behind.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from .config import ModelConfig
 from .events import KeyStateEvent, ScriptEvent, read_events_file
+from .image import load_image
 from .model import camera
 from .rollout import BlockControl
 from .video import H264Writer, frames_to_uint8
@@ -55,7 +58,7 @@ def controls_from_trajectory(poses: np.ndarray, intrinsics: np.ndarray, config: 
 def write_rollout(outputs: Iterator, out_path: Path, config: ModelConfig, latents_out: Path | None = None) -> int:
     """Stream block outputs into an MP4; returns the number of blocks written."""
     writer = H264Writer(out_path, width=config.width, height=config.height, fps=config.fps)
-    latents, blocks = [], 0
+    latents, blocks, finished = [], 0, False
     try:
         for output in outputs:
             writer.write(frames_to_uint8(output.frames))
@@ -64,8 +67,11 @@ def write_rollout(outputs: Iterator, out_path: Path, config: ModelConfig, latent
             blocks += 1
             print(f"block {output.block_index}: " + ", ".join(f"{k} {v:.0f} ms" for k, v in output.stage_ms.items()),
                   file=sys.stderr)
+        finished = True
     finally:
         writer.close()
+        if not finished:  # a failed run (bad prompt, a block that raised) leaves no truncated video behind
+            out_path.unlink(missing_ok=True)
     if latents_out is not None:
         torch.save(torch.cat(latents, dim=2), latents_out)
     return blocks
@@ -82,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default="embedded", help="embedded, a local diffusers folder, or a Hub id")
     parser.add_argument("--allow-download", action="store_true", help="fetch a Hub id with huggingface_hub")
+    parser.add_argument("--height", type=int, help="output height in pixels (default: the model's, 480 for a folder)")
+    parser.add_argument("--width", type=int, help="output width in pixels (default: the model's, 832 for a folder)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--device", default="cpu")
@@ -95,9 +103,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give exactly one of --events or --poses/--intrinsics")
     if (args.poses is None) != (args.intrinsics is None):
         parser.error("--poses and --intrinsics go together")
+    if args.blocks is not None and (args.poses is None or args.blocks < 1):
+        parser.error("--blocks needs --poses and must be at least 1 (an events file sets one block per event)")
     try:
+        # The image is checked before the model loads and before the output file is created.
+        image = load_image(args.image)
         pipe = load_pipeline(args.model, dtype=DTYPES[args.dtype], device=args.device, compile=args.compile,
-                             allow_download=args.allow_download)
+                             allow_download=args.allow_download, height=args.height, width=args.width)
         frames_per_block = pipe.config.transformer.num_frames_per_block
         start_camera = None
         if args.events is not None:
@@ -111,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             start_camera = camera.CameraState(poses[0])
         if not controls:
             parser.error("the events file holds no events")
-        blocks = write_rollout(pipe.rollout(args.image, args.prompt, args.seed, controls, start_camera=start_camera),
+        blocks = write_rollout(pipe.rollout(image, args.prompt, args.seed, controls, start_camera=start_camera),
                                Path(args.out), pipe.config, Path(args.latents_out) if args.latents_out else None)
     except ValueError as exc:  # every input error is a ValueError subclass with a readable message
         print(f"error: {exc}", file=sys.stderr)

@@ -1,0 +1,47 @@
+"""Shared fixtures for the pipeline-level tests: one tiny fp64 pipeline whose window slides early, a start image.
+
+The pipeline holds weights only (every world's state lives in a RolloutState), so one instance per
+session is safe to share; tests must not change its weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lingbot_core.config import tiny_config
+from lingbot_core.loading import build_seeded_parts
+from lingbot_core.pipeline import Pipeline
+
+# Sink = one block and room for one block of recent history, so frames leave the window from block 2's
+# commit on. rope_max_seq_len=8: block 2 (frames 6..8) crosses the RoPE table and later blocks lie beyond it.
+WINDOW_CONFIG = tiny_config(rope_max_seq_len=8, sink_size=3, sliding_window_num_frames=9)
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread: on a shared 2-core machine this is several times faster than two, and stable."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline() -> Pipeline:
+    """WINDOW_CONFIG with seeded weights, everything in float64 (exactness is asserted against it)."""
+    parts = build_seeded_parts(WINDOW_CONFIG, seed=0, dtype=torch.float64)
+    return Pipeline(parts.config, parts.transformer, parts.vae, parts.text_encoder, torch.device("cpu"),
+                    torch.float64)
+
+
+@pytest.fixture(scope="session")
+def start_image() -> np.ndarray:
+    """A 40x70 RGB image (not the model's 32x64, so resize and crop run): gradients plus seeded noise."""
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:40, 0:70]
+    base = np.stack([xx * 3.5, yy * 6.0, (xx + yy) * 2.0], axis=-1)
+    image = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
+    image.setflags(write=False)
+    return image
