@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile the transformer blocks and the VAE decode step (default: on CUDA only)")
     parser.add_argument("--latents-out", help="also save the clean latents [1, z, F, h, w] (torch.save)")
     args = parser.parse_args(argv)
 

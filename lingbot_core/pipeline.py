@@ -74,8 +74,14 @@ class Pipeline:
 
 
 def load_pipeline(source: str = "embedded", *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
-                  compile: bool = False, allow_download: bool = False, **overrides) -> Pipeline:
-    """Load `embedded`, a local diffusers-format folder or (with allow_download) a Hub repo id."""
+                  compile: bool | None = None, allow_download: bool = False, **overrides) -> Pipeline:
+    """Load `embedded`, a local diffusers-format folder or (with allow_download) a Hub repo id.
+
+    compile=None compiles where it pays off: on CUDA. On a CPU the cold compile (minutes) outweighs the
+    gain for an interactive session; `benchmarks/bench_block.py` measures both.
+    """
+    if compile is None:
+        compile = torch.device(device).type == "cuda"
     parts = load_pipeline_parts(source, dtype=dtype, device=device, allow_download=allow_download, **overrides)
     decode_frame = decode_latent_frame
     if compile:

@@ -1,35 +1,45 @@
-"""The serving engine: one model, many sessions, bounded memory, one worker thread.
+"""The serving engine: one model, many sessions, bounded memory, one worker.
 
-- Admission by bytes: every session is charged the peak bytes it can hold (its whole KV window, text
-  K/V, condition and decoder state with their pending copies, per-block scratch), measured once on a
-  probe rollout. A new session is admitted only if the charge fits the budget; otherwise it waits in
-  line (a queue position) or, with the line full, is refused with a message.
-- Scheduling: the worker advances sessions one block at a time, round-robin at block boundaries. A
-  session runs at most `max_lead_blocks` ahead of its consumer, so an idle viewer costs no compute.
-- Eviction: idle TTL (no input and no consumption), explicit close, and LRU eviction of idle sessions
-  when a newcomer needs the room. Every path out returns every page through `Session.close`.
+- Admission by bytes: a probe rollout measures a session's peak committed bytes (its KV window, text
+  K/V, condition encoder and decoder state, finished blocks waiting for the consumer) and the bytes one
+  running block adds (its pages, the pending encoder/decoder/text state, scratch). A newcomer is
+  admitted only if   block reserve + (sessions + 1) x session bytes <= budget;   otherwise it gets a
+  place in line (poll `admit` with the ticket id) or, with the line full, a clear refusal. The KV page
+  pool is sized from the same sum, so an admitted session never runs out of pages.
+- Scheduling: one worker advances sessions one block at a time, round-robin at block boundaries. A
+  session runs at most `max_lead_blocks` blocks ahead of its consumer, so an idle viewer costs no
+  compute. Input is applied at the next block boundary.
+- Eviction: idle TTL (no input and no consumption, on the injected clock), explicit close (also on
+  consumer disconnect), reset, and LRU eviction of idle sessions when a newcomer needs the room.
+  Every path out goes through `Session.close`, which returns every page.
 
-Consumers talk to the engine only through session ids and small messages; tensors never leave it
-except as the frames of a finished block.
+Locks: `_step_lock` serialises everything that touches the model or the page pool (blocks, session
+starts and resets, closes); `_lock` guards the tables and outboxes and is never held during model
+work. Order: `_step_lock` before `_lock`, never the other way. Closers and admitters take priority
+over the worker at the next block boundary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
-import itertools
+import logging
 import os
-import queue
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
-from ..kv_cache import KVPagePool
-from .session import Session, SessionClosed, SessionStatus
+from ..events import Event
+from ..image import load_image
+from ..model.text import normalize_prompt
+from .session import Footprint, Replay, Session, SessionStatus, held_bytes, measure_footprint
+
+log = logging.getLogger(__name__)
 
 
 class AdmissionRefused(RuntimeError):
@@ -39,7 +49,13 @@ class AdmissionRefused(RuntimeError):
 class UnknownSession(KeyError):
     """No live session has this id (closed, evicted, or never existed)."""
 
+    def __init__(self, session_id: str, reason: str | None = None) -> None:
+        super().__init__(session_id)
+        self.reason = reason
+
     def __str__(self) -> str:
+        if self.reason is not None:
+            return f"session {self.args[0]!r} is closed: {self.reason}"
         return f"no live session {self.args[0]!r}: it was closed, evicted after idling, or never existed"
 
 
@@ -54,6 +70,14 @@ class EngineConfig:
     max_waiting: int = 8  # tickets in line before newcomers are refused
     ticket_ttl_s: float = 30.0  # a waiting ticket not polled for this long leaves the line
     max_queued_events: int = 64
+    worker_poll_s: float = 0.5  # the idle worker wakes this often to apply the TTL
+    remembered_closes: int = 256  # closed ids whose reason is still reported to late callers
+
+    def __post_init__(self) -> None:
+        if self.max_lead_blocks < 1:
+            raise ValueError(f"max_lead_blocks must be at least 1, got {self.max_lead_blocks}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
 
 
 class Admission(enum.Enum):
@@ -75,9 +99,14 @@ class BlockMessage:
 
     block_index: int
     frames: torch.Tensor  # [1, 3, T, H, W] in [-1, 1], on the CPU
-    latents: torch.Tensor
+    latents: torch.Tensor  # [1, z, F, h, w] clean, normalised, on the CPU
     stage_ms: dict[str, float]
     block_ms: float
+    event_ids: tuple[int, ...] = ()  # the events this block applied
+
+    @property
+    def nbytes(self) -> int:
+        return held_bytes([self.frames, self.latents])
 
 
 @dataclass
@@ -91,9 +120,13 @@ class _Live:
 
     def __init__(self, session: Session) -> None:
         self.session = session
-        self.outbox: queue.Queue = queue.Queue()
-        self.in_outbox = 0  # blocks produced and not yet taken by the consumer
+        self.outbox: deque[BlockMessage | ErrorMessage] = deque()
         self.waiting_for_input = False  # after a failure: do not retry until something changes
+        self.closed_reason: str | None = None
+
+    @property
+    def blocks_waiting(self) -> int:
+        return sum(isinstance(m, BlockMessage) for m in self.outbox)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -104,106 +137,171 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def total_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        return total
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 class Engine:
-    def __init__(self, pipeline, config: EngineConfig = EngineConfig(), clock=time.monotonic,
+    def __init__(self, pipeline, config: EngineConfig = EngineConfig(), clock: Callable[[], float] = time.monotonic,
                  start_worker: bool = True) -> None:
         self.pipeline = pipeline
         self.config = config
         self.clock = clock
-        self.session_charge = self._measure_session_charge()
+        self.footprint, self.block_reserve = self._measure(pipeline)
+        # A session between blocks at its largest, plus the finished blocks its consumer has not taken.
+        self.session_bytes = self.footprint.committed + config.max_lead_blocks * self.footprint.message
         budget = config.memory_budget_bytes
         if budget is None:
             budget = int(available_memory_bytes(pipeline.device) * config.memory_fraction)
-        self.memory_budget = budget
-        capacity = budget // self.session_charge
+        elif budget > total_memory_bytes(pipeline.device):
+            raise ValueError(f"memory_budget_bytes={budget} exceeds the {pipeline.device.type} memory of "
+                             f"{total_memory_bytes(pipeline.device) / 2**30:.1f} GiB")
+        self.memory_budget = int(budget)
+        capacity = max(0, (self.memory_budget - self.block_reserve) // self.session_bytes)
         if config.max_sessions is not None:
             capacity = min(capacity, config.max_sessions)
         if capacity < 1:
-            raise ValueError(f"a memory budget of {budget / 2**20:.0f} MiB holds no session "
-                             f"(one needs {self.session_charge / 2**20:.1f} MiB)")
+            raise ValueError(f"a memory budget of {self.memory_budget / 2**20:.1f} MiB holds no session: one needs "
+                             f"{self.session_bytes / 2**20:.1f} MiB plus {self.block_reserve / 2**20:.1f} MiB "
+                             "for the block being computed")
         self.capacity = int(capacity)
-        self.pool = pipeline.new_pool(self.capacity * KVPagePool.pages_per_rollout(pipeline.config))
+        t = pipeline.config.transformer
+        # Between blocks a session holds sink + recent pages; only the one running block holds its own too.
+        self.pool = pipeline.new_pool(self.capacity * (t.sliding_window_num_frames - t.num_frames_per_block)
+                                      + t.num_frames_per_block)
         self._sessions: OrderedDict[str, _Live] = OrderedDict()  # round-robin order
         self._waiting: OrderedDict[str, float] = OrderedDict()  # ticket id -> last poll time
-        self._lock = threading.RLock()  # guards the tables above and every session's state
-        self._model_lock = threading.Lock()  # one block or one session start at a time
-        self._wake = threading.Condition(self._lock)
+        self._closed: OrderedDict[str, str] = OrderedDict()  # recently closed id -> reason
+        self._step_lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)  # outboxes, input, priority requests
+        self._priority = 0  # threads waiting for the step lock ahead of the worker
         self._stopped = False
-        self._rr = itertools.count()
-        self._worker = None
+        self._worker: threading.Thread | None = None
         if start_worker:
             self._worker = threading.Thread(target=self._run, name="lingbot-engine", daemon=True)
             self._worker.start()
 
+    @staticmethod
+    def _measure(pipeline) -> tuple[Footprint, int]:
+        """The per-session footprint and the bytes reserved for the one block in progress.
+
+        On CUDA the reserve also covers the transient activations, measured as the probe's peak above
+        what its state and pool hold; on the CPU only the block's named tensors are reserved.
+        """
+        cuda = pipeline.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(pipeline.device)
+            base = torch.cuda.memory_allocated(pipeline.device)
+            torch.cuda.reset_peak_memory_stats(pipeline.device)
+        footprint = measure_footprint(pipeline)
+        reserve = footprint.in_flight
+        if cuda:
+            peak = torch.cuda.max_memory_allocated(pipeline.device) - base
+            probe_pool = 2 * footprint.block_pages  # measure_footprint's private pool
+            probe_state = footprint.text_kv + footprint.condition + footprint.decoder
+            reserve = max(reserve, peak - probe_pool - probe_state + footprint.block_pages)
+        return footprint, int(reserve)
+
+    @contextlib.contextmanager
+    def _admin(self) -> Iterator[None]:
+        """The step lock for a close, reset or admission, taken ahead of the worker's next block."""
+        with self._lock:
+            self._priority += 1
+        try:
+            self._step_lock.acquire()
+        finally:
+            with self._lock:
+                self._priority -= 1
+                self._changed.notify_all()
+        try:
+            yield
+        finally:
+            self._step_lock.release()
+
     # -- admission ---------------------------------------------------------------------------------
 
-    def _measure_session_charge(self) -> int:
-        """Peak bytes of one session, measured on a probe rollout of two blocks (the largest states)."""
-        pipe = self.pipeline
-        pool = pipe.new_pool()
-        probe = pipe.start(torch.zeros(pipe.config.height, pipe.config.width, 3, dtype=torch.uint8).numpy(),
-                           "probe", 0)
-        peak = {"condition": probe.condition.nbytes(), "decoder": probe.decoder.nbytes()}
-        state = probe
-        try:
-            for _ in range(2):
-                output, state = pipe.step(pool, state, _idle_control(pipe))
-                peak["condition"] = max(peak["condition"], state.condition.nbytes())
-                peak["decoder"] = max(peak["decoder"], state.decoder.nbytes())
-                scratch = output.latents.nbytes + output.frames.nbytes
-        finally:
-            pool.allocator.free(state.kv.pages())
-        text = _tensor_bytes(state.text_kv)
-        kv = KVPagePool.pages_per_rollout(pipe.config) * KVPagePool.page_nbytes(pipe.config, pipe.dtype)
-        # committed + pending copies of the encoder and decoder state exist while a block runs
-        return kv + text + 2 * peak["condition"] + 2 * peak["decoder"] + 2 * scratch
+    def _fits_locked(self) -> bool:
+        return (len(self._sessions) < self.capacity and
+                self.block_reserve + (len(self._sessions) + 1) * self.session_bytes <= self.memory_budget)
 
     def admit(self, image, prompt: str, seed: int, ticket_id: str | None = None) -> Ticket:
-        """Open a session if it fits; otherwise a place in line (poll again with the ticket id)."""
+        """Open a session if it fits; otherwise a place in line (poll again with the ticket id).
+
+        Raises AdmissionRefused when the line is full, and ValueError subclasses for a bad image,
+        prompt or seed (nothing is held then).
+        """
+        # Bad input fails here, before anything is held or any idle session is evicted for it.
+        picture = load_image(image)
+        normalize_prompt(prompt, self.pipeline.config.text.max_prompt_chars)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
         with self._lock:
-            self._expire_tickets()
-            if ticket_id is not None and ticket_id not in self._waiting:
-                ticket_id = None  # expired: join the line again
-            ahead = list(self._waiting).index(ticket_id) if ticket_id else len(self._waiting)
-            if ahead == 0 and (len(self._sessions) < self.capacity or self._evict_lru_idle()):
-                self._waiting.pop(ticket_id, None)
-                session_id = uuid.uuid4().hex
-                reserved = _Live(None)  # hold the seat while the session starts outside the lock
-                self._sessions[session_id] = reserved
-            else:
-                if ticket_id is None:
-                    if len(self._waiting) >= self.config.max_waiting:
-                        raise AdmissionRefused(f"the server is full ({len(self._sessions)} worlds running, "
-                                               f"{len(self._waiting)} waiting); try again in a minute")
-                    ticket_id = uuid.uuid4().hex
-                self._waiting[ticket_id] = self.clock()
-                return Ticket(Admission.WAITING, ticket_id=ticket_id, position=list(self._waiting).index(ticket_id) + 1)
-        try:
-            with self._model_lock:
-                session = Session(session_id, self.pipeline, self.pool, image, prompt, seed,
-                                  self.config.max_queued_events, self.clock)
-        except BaseException:
+            if self._stopped:
+                raise AdmissionRefused("the server is shutting down")
+            ticket_id = self._line_up_locked(ticket_id)
+            if not self._first_and_room_locked(ticket_id):
+                return self._waiting_ticket_locked(ticket_id)
+        with self._admin():
             with self._lock:
-                self._sessions.pop(session_id, None)
-            raise
-        with self._lock:
-            reserved.session = session
-            self._wake.notify_all()
+                # Another admission may have taken the room while this one waited for the step lock.
+                ticket_id = self._line_up_locked(ticket_id)
+                if not self._first_and_room_locked(ticket_id):
+                    return self._waiting_ticket_locked(ticket_id)
+                if not self._fits_locked():
+                    self._evict_lru_idle_locked()
+                self._waiting.pop(ticket_id, None)
+            # Model work outside the table lock; the step lock keeps other admissions out meanwhile.
+            session_id = uuid.uuid4().hex
+            session = Session(session_id, self.pipeline, self.pool, picture, prompt, seed,
+                              self.config.max_queued_events, self.clock, self.footprint)
+            with self._lock:
+                self._sessions[session_id] = _Live(session)
+                self._changed.notify_all()
         return Ticket(Admission.ADMITTED, session_id=session_id)
 
-    def _evict_lru_idle(self) -> bool:
-        """Close the least recently used idle session to make room; False if none is idle enough."""
-        now = self.clock()
-        idle = [(max(live.session.last_input, live.session.last_consumed), sid)
-                for sid, live in self._sessions.items() if live.session is not None
-                and now - max(live.session.last_input, live.session.last_consumed) >= self.config.evictable_after_s]
-        if not idle:
+    def _line_up_locked(self, ticket_id: str | None) -> str | None:
+        self._expire_tickets_locked()
+        if ticket_id is not None and ticket_id not in self._waiting:
+            return None  # expired or unknown: a fresh place at the back
+        if ticket_id is not None:
+            self._waiting[ticket_id] = self.clock()
+        return ticket_id
+
+    def _first_and_room_locked(self, ticket_id: str | None) -> bool:
+        first = next(iter(self._waiting), None)
+        if first is not None and first != ticket_id:
             return False
-        _, victim = min(idle)
-        self._close_locked(victim, "evicted to make room for a new session after idling")
+        return self._fits_locked() or self._lru_idle_locked() is not None
+
+    def _waiting_ticket_locked(self, ticket_id: str | None) -> Ticket:
+        if ticket_id is None:
+            if len(self._waiting) >= self.config.max_waiting:
+                raise AdmissionRefused(f"the server is full ({len(self._sessions)} worlds running, "
+                                       f"{len(self._waiting)} waiting); try again in a minute")
+            ticket_id = uuid.uuid4().hex
+            self._waiting[ticket_id] = self.clock()
+        return Ticket(Admission.WAITING, ticket_id=ticket_id, position=list(self._waiting).index(ticket_id) + 1)
+
+    def _lru_idle_locked(self) -> str | None:
+        """The least recently used session idle long enough to be evicted, if any."""
+        now = self.clock()
+        idle = [(max(live.session.last_input, live.session.last_consumed), session_id)
+                for session_id, live in self._sessions.items()
+                if now - max(live.session.last_input, live.session.last_consumed) >= self.config.evictable_after_s]
+        return min(idle)[1] if idle else None
+
+    def _evict_lru_idle_locked(self) -> bool:
+        victim = self._lru_idle_locked()
+        if victim is None:
+            return False
+        self._close_locked(victim, "evicted after idling to make room for a new session")
         return True
 
-    def _expire_tickets(self) -> None:
+    def _expire_tickets_locked(self) -> None:
         now = self.clock()
         for ticket_id, seen in list(self._waiting.items()):
             if now - seen > self.config.ticket_ttl_s:
@@ -211,175 +309,201 @@ class Engine:
 
     # -- per-session verbs -------------------------------------------------------------------------
 
-    def _live(self, session_id: str) -> _Live:
+    def _live_locked(self, session_id: str) -> _Live:
         live = self._sessions.get(session_id)
-        if live is None or live.session is None:
-            raise UnknownSession(session_id)
+        if live is None:
+            raise UnknownSession(session_id, self._closed.get(session_id))
         return live
 
-    def post_event(self, session_id: str, raw: dict) -> None:
+    def post_event(self, session_id: str, raw: dict | Event) -> None:
+        """Queue one event for the session's next block; EventError (a ValueError) names what is wrong."""
         with self._lock:
-            live = self._live(session_id)
+            live = self._live_locked(session_id)
             live.session.post_event(raw)
             live.waiting_for_input = False
-            self._wake.notify_all()
+            self._changed.notify_all()
 
     def reset(self, session_id: str, image, prompt: str, seed: int) -> None:
-        with self._lock:
-            live = self._live(session_id)
-        with self._model_lock, self._lock:
-            live.session.reset(image, prompt, seed)
-            _drain(live)
-            live.waiting_for_input = False
-            self._wake.notify_all()
+        """A new world in the same session: blocks of the old world not yet taken are dropped."""
+        with self._admin():
+            with self._lock:
+                live = self._live_locked(session_id)
+            live.session.reset(image, prompt, seed)  # model work: outside the table lock
+            with self._lock:
+                live.outbox = deque(m for m in live.outbox if not isinstance(m, BlockMessage))
+                live.waiting_for_input = False
+                self._changed.notify_all()
 
     def next_message(self, session_id: str, timeout: float | None = None) -> BlockMessage | ErrorMessage | None:
-        """The next block (or error) for this session's consumer; None on timeout."""
+        """The next block (or error) for this session's consumer; None on timeout (0: do not wait).
+
+        A closed session answers with a fatal ErrorMessage that gives the reason.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            live = self._live(session_id)
+            live = self._sessions.get(session_id)
+            if live is None:
+                reason = self._closed.get(session_id)
+                if reason is None:
+                    raise UnknownSession(session_id)
+                return ErrorMessage(f"session closed: {reason}", fatal=True)
             live.session.last_consumed = self.clock()  # waiting for video counts as watching
-        try:
-            message = live.outbox.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        with self._lock:
-            if isinstance(message, BlockMessage):
-                live.in_outbox -= 1
-            if live.session is not None:
-                live.session.last_consumed = self.clock()
-            self._wake.notify_all()
-        return message
+            while True:
+                if live.outbox:
+                    message = live.outbox.popleft()
+                    live.session.last_consumed = self.clock()
+                    self._changed.notify_all()  # room in the outbox: the worker may run this session
+                    return message
+                if live.closed_reason is not None:
+                    return ErrorMessage(f"session closed: {live.closed_reason}", fatal=True)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._changed.wait(remaining)
 
     def close(self, session_id: str, reason: str = "closed") -> None:
-        with self._lock:
+        """Close a session (by the user, or on consumer disconnect); idempotent, returns every page."""
+        with self._admin(), self._lock:
             self._close_locked(session_id, reason)
 
     def _close_locked(self, session_id: str, reason: str) -> None:
+        """Needs the step lock (the pool is touched) and the table lock."""
         live = self._sessions.pop(session_id, None)
-        if live is None or live.session is None:
+        if live is None:
             return
-        with self._model_lock if threading.current_thread() is not self._worker else _nothing():
-            live.session.close()
-        live.outbox.put(ErrorMessage(f"session closed: {reason}", fatal=True))
+        live.session.close()
+        live.outbox.clear()  # finished blocks nobody will take: drop their frames now
+        live.closed_reason = reason
+        self._closed[session_id] = reason
+        while len(self._closed) > self.config.remembered_closes:
+            self._closed.popitem(last=False)
+        self._changed.notify_all()
 
     def session_status(self, session_id: str) -> dict[str, Any]:
         with self._lock:
-            live = self._live(session_id)
-            s = live.session
-            return {"block_index": s.block_index, "status": s.status.value, "last_error": s.last_error,
-                    "bytes": sum(s.nbytes().values()), "queued_events": len(s.queue)}
+            live = self._sessions.get(session_id)
+            if live is None:
+                reason = self._closed.get(session_id)
+                if reason is None:
+                    raise UnknownSession(session_id)
+                return {"status": SessionStatus.CLOSED.value, "closed_reason": reason}
+            status = live.session.describe()
+            status.update(bytes=sum(live.session.nbytes().values()), blocks_waiting=live.blocks_waiting,
+                          waiting_for_input=live.waiting_for_input)
+            return status
 
-    def replay(self, session_id: str):
+    def replay(self, session_id: str) -> Replay:
         with self._lock:
-            return self._live(session_id).session.replay
+            return self._live_locked(session_id).session.replay
 
     # -- telemetry and accounting ------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"active_sessions": sum(1 for l in self._sessions.values() if l.session is not None),
-                    "waiting": len(self._waiting), "capacity": self.capacity,
-                    "pages_in_use": self.pool.allocator.num_in_use, "pages_total": self.pool.allocator.num_pages,
-                    "accounted_bytes": self.accounted_bytes(), "memory_budget": self.memory_budget}
+            return {"active_sessions": len(self._sessions), "waiting": len(self._waiting),
+                    "capacity": self.capacity, "pages_in_use": self.pool.allocator.num_in_use,
+                    "pages_total": self.pool.allocator.num_pages, "accounted_bytes": self.accounted_bytes(),
+                    "memory_budget": self.memory_budget, "session_bytes": self.session_bytes,
+                    "block_reserve": self.block_reserve}
 
     def accounted_bytes(self) -> int:
+        """Bytes every live session holds now (committed + in-flight) plus the blocks in their outboxes."""
         with self._lock:
-            return sum(sum(l.session.nbytes().values()) for l in self._sessions.values() if l.session is not None)
+            lives = list(self._sessions.values())
+            outboxes = sum(m.nbytes for live in lives for m in live.outbox if isinstance(m, BlockMessage))
+        return sum(sum(live.session.nbytes().values()) for live in lives) + outboxes
 
     def session_ids(self) -> list[str]:
         with self._lock:
-            return [sid for sid, l in self._sessions.items() if l.session is not None]
+            return list(self._sessions)
 
     # -- the worker --------------------------------------------------------------------------------
 
-    def _pick(self) -> tuple[str, _Live] | None:
-        """The next session that may run, round-robin: moves it to the back of the order."""
-        for session_id, live in list(self._sessions.items()):
-            s = live.session
-            if (s is not None and s.status is not SessionStatus.CLOSED and not live.waiting_for_input
-                    and live.in_outbox < self.config.max_lead_blocks):
+    def _runnable_locked(self, live: _Live) -> bool:
+        return (live.session.status is not SessionStatus.CLOSED and not live.waiting_for_input
+                and live.blocks_waiting < self.config.max_lead_blocks)
+
+    def _pick_locked(self) -> tuple[str, _Live] | None:
+        """The next session that may run, round-robin: it moves to the back of the order."""
+        for session_id, live in self._sessions.items():
+            if self._runnable_locked(live):
                 self._sessions.move_to_end(session_id)
                 return session_id, live
         return None
 
-    def _expire_idle(self) -> None:
+    def _expire_idle_locked(self) -> None:
         now = self.clock()
         for session_id, live in list(self._sessions.items()):
             s = live.session
-            if s is not None and now - max(s.last_input, s.last_consumed) > self.config.idle_ttl_s:
-                self._close_locked(session_id, f"idle for over {self.config.idle_ttl_s:.0f} s")
+            if now - max(s.last_input, s.last_consumed) > self.config.idle_ttl_s:
+                self._close_locked(session_id, f"no input and no viewer for over {self.config.idle_ttl_s:g} s")
 
-    def run_once(self) -> bool:
-        """Advance one runnable session by one block; False if none could run. The worker loops on this."""
-        with self._lock:
-            self._expire_idle()
-            picked = self._pick()
-            if picked is None:
-                return False
-            session_id, live = picked
-        with self._model_lock:
-            if live.session.status is SessionStatus.CLOSED:
-                return True
+    def run_once(self) -> str | None:
+        """Advance one runnable session by one block: its id, or None if none could run.
+
+        The worker loops on this; tests call it directly with start_worker=False.
+        """
+        with self._step_lock:
+            with self._lock:
+                self._expire_tickets_locked()
+                self._expire_idle_locked()
+                picked = self._pick_locked()
+                if picked is None:
+                    return None
+                session_id, live = picked
             started = time.perf_counter()
             try:
                 output = live.session.step()
-            except SessionClosed:
-                return True
             except Exception as exc:  # the session is intact; tell its consumer and wait for new input
+                log.warning("session %s: block %d failed: %s", session_id, live.session.block_index, repr(exc))
                 with self._lock:
                     live.waiting_for_input = True
-                    live.outbox.put(ErrorMessage(f"block {live.session.block_index} failed: {exc}", fatal=False))
-                return True
+                    live.outbox.append(ErrorMessage(f"block {live.session.block_index} failed: "
+                                                    f"{type(exc).__name__}: {exc}", fatal=False))
+                    self._changed.notify_all()
+                return session_id
             block_ms = 1000.0 * (time.perf_counter() - started)
-        with self._lock:
-            live.in_outbox += 1
-            live.outbox.put(BlockMessage(output.block_index, output.frames.cpu(), output.latents.cpu(),
-                                         output.stage_ms, block_ms))
-        return True
+            replay = live.session.replay
+            event_ids = tuple(replay.blocks[-1]["event_ids"]) if replay.blocks else ()
+            message = BlockMessage(output.block_index, output.frames.cpu(), output.latents.cpu(), output.stage_ms,
+                                   block_ms, event_ids)
+            with self._lock:
+                live.outbox.append(message)
+                self._changed.notify_all()
+            return session_id
 
     def _run(self) -> None:
         while True:
             with self._lock:
+                while self._priority and not self._stopped:
+                    self._changed.wait()  # a close, reset or admission goes first
                 if self._stopped:
                     return
-            if not self.run_once():
+            try:
+                ran = self.run_once()
+            except Exception:  # a bug, not a session failure: keep serving the others
+                log.exception("engine worker iteration failed")
+                ran = None
+            if ran is None:
                 with self._lock:
-                    if not self._stopped:
-                        self._wake.wait(timeout=0.5)
+                    if not self._stopped and not self._priority and not any(
+                            self._runnable_locked(live) for live in self._sessions.values()):
+                        self._changed.wait(self.config.worker_poll_s)
 
     def shutdown(self) -> None:
+        """Stop the worker and close every session."""
         with self._lock:
             self._stopped = True
-            self._wake.notify_all()
+            self._changed.notify_all()
         if self._worker is not None:
-            self._worker.join(timeout=60)
-        with self._lock:
+            self._worker.join()
+        with self._admin(), self._lock:
             for session_id in list(self._sessions):
                 self._close_locked(session_id, "server shutting down")
+            self._waiting.clear()
 
-
-class _nothing:
-    def __enter__(self):
+    def __enter__(self) -> "Engine":
         return self
 
-    def __exit__(self, *exc):
-        return False
-
-
-def _drain(live: _Live) -> None:
-    while True:
-        try:
-            live.outbox.get_nowait()
-        except queue.Empty:
-            break
-    live.in_outbox = 0
-
-
-def _idle_control(pipeline):
-    from ..rollout import BlockControl
-    return BlockControl(actions=(frozenset(),) * pipeline.config.transformer.num_frames_per_block)
-
-
-def _tensor_bytes(value) -> int:
-    from .session import _tensor_bytes as count
-    return count(value)
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()

@@ -1,0 +1,464 @@
+"""LingBot-World v2 in the browser: upload an image, press Start, walk around with W A S D / I J K L.
+
+    python app.py [--model embedded|OWNER/NAME|FOLDER] [--max-sessions N] [--port P]
+
+Gradio widgets and wiring only. The world lives in the engine (lingbot_core/serving/engine.py); each
+viewer's stream, pacing, actions and downloads live in lingbot_core/serving/streaming.py. Named API
+endpoints, usable from gradio_client (see examples/client.py):
+
+    /start(image, prompt, seed)          -> streamed (video segment, telemetry, session_id)
+    /act(session_id, events)             -> status;  events: {"event_id": 1, "keys": ["w"]} or a list
+    /stop(session_id)                    -> status
+    /reset(session_id, image, prompt, seed) -> status
+    /download(session_id)                -> (rollout MP4, replay JSON)
+    /generate(image, prompt, seed, script, script_file, poses, intrinsics) -> (MP4, message)
+
+Environment: LINGBOT_MODEL (same as --model), GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (read by Gradio),
+LINGBOT_TEST_PRESET=tiny (tests only: a 32x64 model with random weights, for fast CPU checks).
+"""
+
+from __future__ import annotations
+
+import spaces  # noqa: F401  (first: on ZeroGPU it must be imported before anything initialises CUDA)
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import gradio as gr
+import torch
+from PIL import Image
+from gradio.utils import get_upload_folder
+
+from lingbot_core.config import tiny_config
+from lingbot_core.events import EventError, read_events, read_events_file
+from lingbot_core.generate import controls_from_events, controls_from_trajectory, write_rollout
+from lingbot_core.image import load_image
+from lingbot_core.model import camera
+from lingbot_core.model.text import normalize_prompt
+from lingbot_core.pipeline import load_pipeline
+from lingbot_core.serving.engine import Engine, EngineConfig
+from lingbot_core.serving.streaming import LiveService, StreamConfig, StreamError, check_seed
+
+HERE = Path(__file__).resolve().parent
+EXAMPLES = HERE / "examples"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+TEST_PRESETS = {"tiny": tiny_config}
+# Two groups of four (move, look), each drawn as an inverted T: the first key above the other three.
+KEYS = (("w", "forward"), ("a", "left"), ("s", "back"), ("d", "right"),
+        ("i", "look up"), ("j", "turn left"), ("k", "look down"), ("l", "turn right"))
+
+# Keyboard and key-button capture. Held keys become events {"event_id", "keys": [...]}, ids increasing per
+# tab; they queue here and a hidden button hands them to /act in order. Typing in a text field is ignored.
+PAGE_JS = """
+() => {
+  if (window.lingbotControls) return;
+  const VALID = "wasdijkl";
+  const held = new Set();
+  let nextId = 1;
+  let pending = [];
+  const typing = (el) => el && (el.isContentEditable || ["INPUT", "TEXTAREA", "SELECT"].includes(el.tagName));
+  const paint = () => {
+    for (const k of VALID) {
+      const b = document.getElementById("lingbot-key-" + k);
+      if (b) b.classList.toggle("lingbot-held", held.has(k));
+    }
+  };
+  const send = () => {
+    pending.push({event_id: nextId++, keys: [...held].sort()});
+    paint();
+    const button = document.getElementById("lingbot-send");
+    if (button) button.click();
+  };
+  const press = (k) => { if (!held.has(k)) { held.add(k); send(); } };
+  const release = (k) => { if (held.delete(k)) send(); };
+  const keyOf = (e) => (e.key && e.key.length === 1 && VALID.includes(e.key.toLowerCase())) ? e.key.toLowerCase() : null;
+  document.addEventListener("keydown", (e) => {
+    const k = keyOf(e);
+    if (!k || e.ctrlKey || e.metaKey || e.altKey || typing(e.target)) return;
+    e.preventDefault();
+    if (!e.repeat) press(k);
+  });
+  document.addEventListener("keyup", (e) => { const k = keyOf(e); if (k) release(k); });
+  window.addEventListener("blur", () => { if (held.size) { held.clear(); send(); } });
+  document.addEventListener("pointerdown", (e) => {
+    const button = e.target.closest && e.target.closest("[id^='lingbot-key-']");
+    if (!button) return;
+    const k = button.id.slice(-1);
+    press(k);
+    const up = () => { release(k); window.removeEventListener("pointerup", up); window.removeEventListener("pointercancel", up); };
+    window.addEventListener("pointerup", up);
+    window.addEventListener("pointercancel", up);
+  });
+  // Report the playhead while the video plays, so the server paces the world to what is on screen.
+  setInterval(() => {
+    const v = document.querySelector("#lingbot-video video");
+    const button = document.getElementById("lingbot-clock");
+    if (v && button && !v.paused && !v.ended && v.readyState >= 2) button.click();
+  }, 250);
+  window.lingbotControls = {
+    take() { const out = pending; pending = []; return JSON.stringify(out); },
+    held() { return [...held].sort(); },
+    playhead() { const v = document.querySelector("#lingbot-video video"); return v ? String(v.currentTime) : ""; },
+  };
+}
+"""
+# Run before the hidden buttons' handlers: hand over the queued events (dropped without a session) / the playhead.
+TAKE_EVENTS_JS = ("(sid, events) => { const e = window.lingbotControls ? window.lingbotControls.take() : '[]'; "
+                  "return [sid, sid ? e : '[]']; }")
+READ_PLAYHEAD_JS = "(sid, t) => [sid, window.lingbotControls ? window.lingbotControls.playhead() : '']"
+
+PAGE_CSS = """
+#lingbot-keys button { font-weight: 600; white-space: pre-line; line-height: 1.2; }
+#lingbot-keys button.lingbot-held { outline: 3px solid var(--color-accent); background: var(--color-accent-soft); }
+#lingbot-telemetry { font-family: var(--font-mono); font-size: var(--text-sm); min-height: 2.5em; }
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the engine
+
+
+def default_device() -> str:
+    """cuda when there is a GPU the engine's worker thread can keep; ZeroGPU lends one per call only."""
+    if os.environ.get("SPACES_ZERO_GPU"):
+        print("ZeroGPU hardware: the live engine needs a GPU held for the whole session, so it runs on the CPU; "
+              "choose dedicated GPU hardware for the real model", file=sys.stderr)
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def create_engine(model: str | None = None, *, device: str | None = None, dtype: str = "bf16",
+                  engine_config: EngineConfig = EngineConfig(), compile: bool = False,
+                  preset: str | None = None) -> Engine:
+    """Load the model (embedded by default, never downloaded unless a Hub id is chosen) and start an engine.
+
+    model: "embedded", a local diffusers-format folder or a Hub repo id; default $LINGBOT_MODEL or embedded.
+    preset: tests only ("tiny", or $LINGBOT_TEST_PRESET): the embedded model at a test size.
+    """
+    source = model or os.environ.get("LINGBOT_MODEL") or "embedded"
+    preset = preset or os.environ.get("LINGBOT_TEST_PRESET") or None
+    overrides = {}
+    if preset is not None:
+        if preset not in TEST_PRESETS or source != "embedded":
+            raise ValueError(f"test preset {preset!r}: the presets are {sorted(TEST_PRESETS)}, "
+                             "for the embedded model only")
+        overrides["preset_hint"] = TEST_PRESETS[preset]()
+    if device is None:  # decided here, not at import: nothing touches CUDA before the app starts
+        device = os.environ.get("LINGBOT_DEVICE") or default_device()
+    # A Hub id is only ever used by choosing it, so choosing it allows the download.
+    allow_download = source != "embedded" and not Path(source).expanduser().exists()
+    pipeline = load_pipeline(source, dtype=DTYPES[dtype], device=device, compile=compile,
+                             allow_download=allow_download, **overrides)
+    return Engine(pipeline, engine_config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline generation (one MP4 from a script or a trajectory)
+
+
+def generate_offline(pipeline, image, prompt, seed, script_text, script_file, poses_file, intrinsics_file,
+                     out_dir: Path, trusted_root: Path, max_blocks: int) -> tuple[str, str]:
+    """An action script (JSONL text or file) or a poses/intrinsics pair -> one MP4. Raises StreamError."""
+    config = pipeline.config
+    frames_per_block = config.transformer.num_frames_per_block
+    has_script = bool(script_file) or bool(script_text and script_text.strip())
+    has_trajectory = bool(poses_file) or bool(intrinsics_file)
+    if has_script == has_trajectory:
+        raise StreamError("give an action script (text or .jsonl file) or a poses.npy + intrinsics.npy pair, not both")
+    try:
+        if image is None:
+            raise StreamError("upload a start image first")
+        picture = load_image(image)
+        text = normalize_prompt(prompt, config.text.max_prompt_chars)
+        start_camera = None
+        if has_script:
+            events = read_events_file(script_file, frames_per_block) if script_file else \
+                read_events(script_text, frames_per_block)
+            controls = controls_from_events(events, frames_per_block)
+        else:
+            if not (poses_file and intrinsics_file):
+                raise StreamError("a trajectory needs both poses.npy and intrinsics.npy")
+            poses, intrinsics = camera.load_trajectory(poses_file, intrinsics_file, trusted_root=trusted_root,
+                                                       cfg=config.camera)
+            controls = controls_from_trajectory(poses, intrinsics, config)
+            start_camera = camera.CameraState(poses[0])
+    except (EventError, ValueError) as exc:  # ImageError, PromptError, EventError, TrajectoryError
+        raise StreamError(str(exc)) from None
+    if not controls:
+        raise StreamError("the action script holds no events")
+    if len(controls) > max_blocks:
+        raise StreamError(f"this would be {len(controls)} blocks; this server makes at most {max_blocks} per request")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkstemp(suffix=".mp4", prefix="lingbot-offline-", dir=out_dir)[1])
+    blocks = write_rollout(pipeline.rollout(picture, text, check_seed(seed), controls, start_camera=start_camera),
+                           out, config)
+    frames = config.pixel_frames_for_blocks(blocks)
+    return str(out), f"{blocks} blocks, {frames} frames at {config.fps} FPS ({frames / config.fps:.2f} s)"
+
+
+# ---------------------------------------------------------------------------------------------
+# The Blocks
+
+
+@dataclass
+class DemoApp:
+    demo: gr.Blocks
+    service: LiveService
+
+    def launch(self, **kwargs):
+        """demo.launch with the page's key capture script and styles."""
+        kwargs.setdefault("show_error", True)
+        kwargs.setdefault("max_file_size", "50mb")
+        return self.demo.launch(js=PAGE_JS, css=PAGE_CSS, **kwargs)
+
+    def close(self) -> None:
+        """Stop the server and every stream; the engine stays with its owner."""
+        with contextlib.suppress(Exception):
+            self.demo.close()
+        self.service.shutdown()
+
+
+def start_image(**kwargs) -> gr.Image:
+    """A gr.Image whose unreadable uploads fail with a plain message rather than a preprocessing report.
+
+    The instance's preprocess is wrapped (a subclass would make Gradio write an app.pyi stub).
+    """
+    component = gr.Image(type="filepath", sources=["upload"], **kwargs)
+    preprocess = component.preprocess
+
+    def checked(payload):
+        try:
+            return preprocess(payload)
+        except gr.Error:
+            raise
+        except Image.DecompressionBombError:
+            raise gr.Error("the image is too large to open safely; use one under 40 megapixels",
+                           print_exception=False) from None
+        except Exception:  # PIL cannot even identify the file
+            raise gr.Error("the upload is not a readable image (PNG, JPEG, WebP, ...)", print_exception=False) from None
+
+    component.preprocess = checked
+    return component
+
+
+def _user_error(exc: StreamError) -> gr.Error:
+    return gr.Error(str(exc), print_exception=False)
+
+
+def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(), workdir: Path | None = None,
+               offline_max_blocks: int = 64) -> DemoApp:
+    config = engine.pipeline.config
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="lingbot-app-"))
+    service = LiveService(engine, workdir / "recordings", stream_config)
+
+    async def start(image, prompt, seed, request: gr.Request):
+        try:
+            async with contextlib.aclosing(service.stream(image, prompt, seed, request.session_hash)) as updates:
+                async for update in updates:
+                    yield (str(update.segment) if update.segment else gr.skip(), update.telemetry,
+                           update.session_id or "")
+        except StreamError as exc:
+            raise _user_error(exc) from None
+
+    def act_from_page(session_id, events):
+        """The page's key events: problems become a toast, not an error state."""
+        if session_id and events not in (None, "", "[]"):
+            try:
+                service.act(session_id, events)
+            except StreamError as exc:
+                gr.Warning(str(exc))
+        return gr.skip()
+
+    def playhead_from_page(session_id, seconds):
+        if session_id and seconds:
+            with contextlib.suppress(StreamError):  # a report for a session that just ended
+                service.report_playhead(session_id, seconds)
+        return gr.skip()
+
+    def act(session_id: str, events: str) -> str:
+        """Post one event or a JSON list of events, e.g. {"event_id": 1, "keys": ["w"]} (held keys) or
+        {"event_id": 2, "frames": [["w"], ["w", "j"], []]} (one block). Ids must increase."""
+        try:
+            return service.act(session_id, events)
+        except StreamError as exc:
+            raise _user_error(exc) from None
+
+    def stop(session_id: str) -> str:
+        """Stop a session (its rollout stays downloadable)."""
+        try:
+            return service.stop(session_id)
+        except StreamError as exc:
+            raise _user_error(exc) from None
+
+    def stop_from_page(session_id):
+        """Stop, and offer the rollout for download at once."""
+        try:
+            message = service.stop(session_id)
+            mp4, replay = service.download(session_id)
+        except StreamError as exc:
+            return (str(exc) if session_id else "stopped"), None, None
+        return message, str(mp4), str(replay)
+
+    def reset(session_id, image, prompt, seed):
+        try:
+            return service.reset(session_id, image, prompt, seed)
+        except StreamError as exc:
+            raise _user_error(exc) from None
+
+    def download(session_id):
+        try:
+            mp4, replay = service.download(session_id)
+        except StreamError as exc:
+            raise _user_error(exc) from None
+        return str(mp4), str(replay)
+
+    # On ZeroGPU the decorated call runs in a forked GPU worker: only these small arguments cross over.
+    @spaces.GPU(duration=300)
+    def generate_on_gpu(image, prompt, seed, script_text, script_file, poses_file, intrinsics_file):
+        return generate_offline(engine.pipeline, image, prompt, seed, script_text, script_file, poses_file,
+                                intrinsics_file, workdir / "offline", Path(get_upload_folder()), offline_max_blocks)
+
+    def generate(image, prompt, seed, script_text, script_file, poses_file, intrinsics_file):
+        try:
+            return generate_on_gpu(image, prompt, seed, script_text, script_file, poses_file, intrinsics_file)
+        except StreamError as exc:
+            raise _user_error(exc) from None
+
+    def close_tab(request: gr.Request):
+        service.close_viewer(request.session_hash)
+
+    with gr.Blocks(title="LingBot-World v2") as demo:
+        gr.Markdown(_header(config, engine))
+        with gr.Tab("Play"):
+            with gr.Row():
+                with gr.Column(scale=2):
+                    image = start_image(label="Start image", height=260)
+                    prompt = gr.Textbox(label="Prompt", value="a forest path in spring, sunlight", max_lines=3)
+                    seed = gr.Number(label="Seed", value=0, precision=0, minimum=0)
+                    gr.Examples([[str(EXAMPLES / "forest.png"), "a forest path in spring, sunlight"],
+                                 [str(EXAMPLES / "village.png"), "a quiet village street at dusk"]],
+                                inputs=[image, prompt])
+                    with gr.Row():
+                        start_button = gr.Button("Start", variant="primary", min_width=80)
+                        stop_button = gr.Button("Stop", variant="stop", min_width=80)
+                        reset_button = gr.Button("Reset", min_width=80)
+                with gr.Column(scale=3):
+                    video = gr.Video(label="World", streaming=True, autoplay=True, interactive=False,
+                                     elem_id="lingbot-video", height=360)
+                    telemetry = gr.Markdown("press Start", elem_id="lingbot-telemetry")
+                    with gr.Row(elem_id="lingbot-keys"):
+                        for group in (KEYS[:4], KEYS[4:]):
+                            with gr.Column(min_width=200):
+                                for row in ((None, group[0], None), group[1:]):  # an inverted T: W over A S D
+                                    with gr.Row():
+                                        for cell in row:
+                                            if cell is None:  # a blank beside the top key
+                                                gr.HTML("", min_width=60)
+                                                continue
+                                            key, action = cell
+                                            gr.Button(f"{key.upper()}\n{action}", elem_id=f"lingbot-key-{key}",
+                                                      size="sm", min_width=60)
+                    gr.Markdown("Hold keys on the keyboard (outside text fields) or press the buttons: "
+                                "**W A S D** move, **I J K L** look. Keys act from the next block on.")
+                    session_box = gr.Textbox(label="Session", interactive=False, elem_id="lingbot-session",
+                                             max_lines=1)
+                    with gr.Row(equal_height=True):
+                        download_button = gr.Button("Prepare download", size="sm", min_width=120)
+                        mp4_file = gr.DownloadButton("Rollout MP4", size="sm", min_width=120, elem_id="lingbot-mp4")
+                        replay_file = gr.DownloadButton("Replay JSON", size="sm", min_width=120,
+                                                        elem_id="lingbot-replay")
+            events_box = gr.Textbox(visible="hidden", elem_id="lingbot-events")
+            send_button = gr.Button("send", visible="hidden", elem_id="lingbot-send")
+            playhead_box = gr.Textbox(visible="hidden", elem_id="lingbot-playhead")
+            clock_button = gr.Button("clock", visible="hidden", elem_id="lingbot-clock")
+        with gr.Tab("Offline generation"):
+            with gr.Row():
+                with gr.Column():
+                    off_image = start_image(label="Start image", height=200, value=str(EXAMPLES / "forest.png"))
+                    off_prompt = gr.Textbox(label="Prompt", value="a forest path in spring, sunlight")
+                    off_seed = gr.Number(label="Seed", value=0, precision=0, minimum=0)
+                    script = gr.Code(label="Action script (JSONL: one event per block)", language=None,
+                                     value=(EXAMPLES / "walk.jsonl").read_text())
+                    script_file = gr.File(label="…or a .jsonl script file", file_types=[".jsonl", ".txt", ".json"])
+                    with gr.Row():
+                        poses = gr.File(label="…or poses.npy [F,4,4]", file_types=[".npy"])
+                        intrinsics = gr.File(label="+ intrinsics.npy [F,4]", file_types=[".npy"])
+                    generate_button = gr.Button("Generate", variant="primary")
+                with gr.Column():
+                    off_video = gr.Video(label="Result", interactive=False)
+                    off_message = gr.Markdown()
+
+        start_event = start_button.click(start, [image, prompt, seed], [video, telemetry, session_box],
+                                         api_name="start", concurrency_limit=None, show_progress="hidden")
+        send_button.click(act_from_page, [session_box, events_box], [events_box], js=TAKE_EVENTS_JS,
+                          trigger_mode="multiple", concurrency_limit=1, concurrency_id="act",
+                          api_visibility="private", show_progress="hidden")
+        clock_button.click(playhead_from_page, [session_box, playhead_box], [playhead_box], js=READ_PLAYHEAD_JS,
+                           trigger_mode="always_last", api_visibility="private", show_progress="hidden", queue=False)
+        stop_button.click(stop_from_page, [session_box], [telemetry, mp4_file, replay_file], cancels=[start_event],
+                          api_visibility="private", show_progress="hidden")
+        reset_button.click(reset, [session_box, image, prompt, seed], [telemetry], api_name="reset",
+                           show_progress="hidden")
+        download_button.click(download, [session_box], [mp4_file, replay_file], api_name="download")
+        generate_button.click(generate, [off_image, off_prompt, off_seed, script, script_file, poses, intrinsics],
+                              [off_video, off_message], api_name="generate", concurrency_limit=1)
+        gr.api(act, api_name="act", concurrency_limit=1, concurrency_id="act")
+        gr.api(stop, api_name="stop")
+        demo.unload(close_tab)
+    return DemoApp(demo, service)
+
+
+def _header(config, engine: Engine) -> str:
+    text = (f"# LingBot-World v2 — realtime world model\n"
+            f"Model **{config.name}**, {config.width}×{config.height} at {config.fps} FPS, "
+            f"{config.pixel_frames_per_block} frames per block; up to {engine.capacity} worlds at once.")
+    if not config.trained:
+        text += ("\n\n> ⚠️ **These weights are random (untrained).** The embedded model shows the machinery — "
+                 "streaming, controls, sessions — not a meaningful world. Run with `--model` pointing at the real "
+                 "checkpoint for real pictures.")
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="embedded (default), a local diffusers folder, or a Hub id "
+                                        "(downloaded); default $LINGBOT_MODEL")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
+    parser.add_argument("--max-sessions", type=int,
+                        help="cap on concurrent worlds on top of the memory budget (default: 2 on a CPU, where "
+                             "compute runs out long before memory, else none)")
+    parser.add_argument("--memory-budget-gib", type=float, help="memory for sessions (default: half of what is free)")
+    parser.add_argument("--idle-ttl", type=float, default=120.0, help="seconds without input before a world closes")
+    parser.add_argument("--offline-max-blocks", type=int, default=64)
+    parser.add_argument("--host", help="default $GRADIO_SERVER_NAME or 127.0.0.1")
+    parser.add_argument("--port", type=int, help="default $GRADIO_SERVER_PORT or 7860")
+    args = parser.parse_args(argv)
+
+    budget = int(args.memory_budget_gib * 2**30) if args.memory_budget_gib else None
+    device = args.device or os.environ.get("LINGBOT_DEVICE") or default_device()
+    max_sessions = args.max_sessions or (2 if device == "cpu" else None)
+    engine = create_engine(args.model, device=device, dtype=args.dtype, compile=args.compile,
+                           engine_config=EngineConfig(memory_budget_bytes=budget, max_sessions=max_sessions,
+                                                      idle_ttl_s=args.idle_ttl))
+    app = build_demo(engine, stream_config=StreamConfig(input_idle_s=args.idle_ttl),
+                     offline_max_blocks=args.offline_max_blocks)
+    try:
+        app.launch(server_name=args.host, server_port=args.port)
+    finally:
+        app.close()
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""Long-rollout and multi-session figures of the serving engine (prints them; not a test).
+
+    python benchmarks/bench_engine.py [--blocks 2000] [--sessions 4] [--concurrent-blocks 25]
+                                      [--model embedded] [--dtype bf16] [--threads N]
+
+1. One session for --blocks blocks through the engine's worker thread, a consumer taking every block:
+   median block latency around block 10 vs around the last block (flat if nothing grows with the rollout),
+   peak RSS at block 100 vs at the end, and KV pool pages in use once the window has filled (constant).
+2. --sessions sessions at once, each consumed by its own thread for --concurrent-blocks blocks: aggregate
+   generated FPS vs the single session, and the spread of per-session median block times (round-robin
+   fairness: one worker, so each session gets about 1/N of the single-session rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lingbot_core.pipeline import load_pipeline  # noqa: E402
+from lingbot_core.serving.engine import BlockMessage, Engine, EngineConfig  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+ROOT = Path(__file__).resolve().parents[1]
+IMAGE = ROOT / "examples" / "forest.png"
+KEYS = (["w"], ["w", "l"], ["w"], ["j"], ["i"], ["k"], ["a"], [])  # varied held keys, one change per block
+
+
+def peak_rss_bytes() -> int:
+    """VmHWM: the process's peak resident set so far."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _consume(engine: Engine, session_id: str, blocks: int, on_block) -> list[BlockMessage]:
+    """Take `blocks` blocks, posting one held-key change per block; returns the messages."""
+    messages = []
+    for index in range(blocks):
+        engine.post_event(session_id, {"event_id": index, "keys": KEYS[index % len(KEYS)]})
+        message = engine.next_message(session_id, timeout=3600)
+        if not isinstance(message, BlockMessage):
+            raise RuntimeError(f"session {session_id}: {message}")
+        messages.append(message)
+        on_block(index, message)
+    return messages
+
+
+def _median_ms(messages: list[BlockMessage], lo: int, hi: int) -> float:
+    return statistics.median(m.block_ms for m in messages[max(0, lo):max(lo + 1, hi)])
+
+
+def long_rollout(pipe, args) -> float:
+    """Returns the generated FPS over the first --concurrent-blocks blocks, to compare like with like."""
+    engine = Engine(pipe, EngineConfig(max_sessions=1, idle_ttl_s=3600))
+    t = pipe.config.transformer
+    fill = -(-(t.sliding_window_num_frames - t.num_frames_per_block) // t.num_frames_per_block)  # blocks to fill
+    checkpoint = min(100, args.blocks // 2)
+    pages, arrivals, rss_at_checkpoint = [], [], [0]
+
+    def on_block(index, message):
+        arrivals.append(time.perf_counter())
+        pages.append(engine.stats()["pages_in_use"])
+        if index + 1 == checkpoint:
+            rss_at_checkpoint[0] = peak_rss_bytes()
+        if (index + 1) % max(1, args.blocks // 20) == 0:
+            print(f"  block {index + 1}/{args.blocks}: {message.block_ms:.0f} ms, {pages[-1]} pages in use",
+                  file=sys.stderr)
+
+    try:
+        started = time.perf_counter()  # admission included, as in the concurrent run
+        session_id = engine.admit(IMAGE, "a forest path in spring", 0).session_id
+        messages = _consume(engine, session_id, args.blocks, on_block)
+        elapsed = time.perf_counter() - started
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    n = len(messages)
+    after_fill = pages[fill:] or pages[-1:]
+    frames = pipe.config.pixel_frames_per_block
+    early = min(args.concurrent_blocks, n)
+    early_fps = early * frames / (arrivals[early - 1] - started)
+    print(f"one session, {n} blocks ({elapsed:.0f} s, {n * frames / elapsed:.2f} FPS generated; "
+          f"{early_fps:.2f} FPS over the first {early} blocks):")
+    print(f"  median block latency around block 10: {_median_ms(messages, 5, 15):.0f} ms; "
+          f"around the last block: {_median_ms(messages, n - 10, n):.0f} ms")
+    print(f"  peak RSS at block {checkpoint}: {rss_at_checkpoint[0] / 2**20:.0f} MiB; "
+          f"at the end: {peak_rss_bytes() / 2**20:.0f} MiB")
+    print(f"  KV pool pages in use after the window filled (block {fill}+): min {min(after_fill)}, "
+          f"max {max(after_fill)} of {stats['pages_total']} (one page = one latent frame of K/V)")
+    print(f"  accounted bytes at the end: {stats['accounted_bytes'] / 2**20:.1f} MiB (with any block in flight); "
+          f"admission charge {stats['session_bytes'] / 2**20:.1f} MiB per session + "
+          f"{stats['block_reserve'] / 2**20:.1f} MiB for the running block")
+    return early_fps
+
+
+def concurrent(pipe, args, single_fps: float) -> None:
+    engine = Engine(pipe, EngineConfig(max_sessions=args.sessions, idle_ttl_s=3600))
+    try:
+        started = time.perf_counter()
+        ids = [engine.admit(IMAGE, f"a forest path, world {i}", i).session_id for i in range(args.sessions)]
+        results: dict[str, list[BlockMessage]] = {}
+        finished: dict[str, float] = {}
+        errors: list[BaseException] = []
+
+        def consumer(session_id):
+            try:
+                results[session_id] = _consume(engine, session_id, args.concurrent_blocks, lambda *_: None)
+                finished[session_id] = time.perf_counter() - started
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=consumer, args=(sid,)) for sid in ids]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        elapsed = time.perf_counter() - started
+    finally:
+        engine.shutdown()
+    if errors:
+        raise errors[0]
+    blocks = sum(len(m) for m in results.values())
+    fps = blocks * pipe.config.pixel_frames_per_block / elapsed
+    medians = [statistics.median(m.block_ms for m in results[sid]) for sid in ids]
+    print(f"{args.sessions} sessions at once, {args.concurrent_blocks} blocks each ({elapsed:.0f} s):")
+    print(f"  aggregate {fps:.2f} FPS generated vs {single_fps:.2f} for one session over as many blocks "
+          f"({fps / single_fps:.2f}x); per session {fps / args.sessions:.2f} FPS")
+    print(f"  per-session median block time: min {min(medians):.0f} ms, max {max(medians):.0f} ms "
+          f"(spread {100 * (max(medians) - min(medians)) / statistics.median(medians):.1f}%); "
+          f"time to its last block: min {min(finished.values()):.1f} s, max {max(finished.values()):.1f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="embedded")
+    parser.add_argument("--blocks", type=int, default=2000)
+    parser.add_argument("--sessions", type=int, default=4)
+    parser.add_argument("--concurrent-blocks", type=int, default=25)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    args = parser.parse_args()
+    if args.blocks < 2 or args.concurrent_blocks < 1 or args.sessions < 1:
+        parser.error("--blocks must be >= 2, --concurrent-blocks and --sessions >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pipe = load_pipeline(args.model, dtype=DTYPES[args.dtype], device=args.device)
+    print(f"{pipe.config.name} on {args.device}, {args.dtype}, {torch.get_num_threads()} threads")
+    single_fps = long_rollout(pipe, args)
+    concurrent(pipe, args, single_fps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""The app in a real browser: headless Chromium (Debian's /usr/bin/chromium) driven by Playwright.
+
+Loads the page, uploads an image, presses Start and checks that the video really plays (currentTime
+advances, the buffered range grows) while the telemetry updates; that held keys and the on-screen
+key buttons reach the world (the session's replay records them) and typing in a text field does
+not; that Stop offers the rollout for download (12N - 3 frames, N = the replay's blocks); and that
+closing the tab closes the engine session. A screenshot goes to artifacts/ (gitignored).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CHROMIUM = Path("/usr/bin/chromium")
+if not CHROMIUM.exists():
+    pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium (setup.sh does) to run the browser tests",
+                allow_module_level=True)
+playwright_api = pytest.importorskip("playwright.sync_api", reason="the playwright Python package is not installed")
+
+import app as lingbot_app  # noqa: E402
+from lingbot_core.serving.engine import EngineConfig  # noqa: E402
+from lingbot_core.video import count_frames  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:::gradio.queueing")
+
+FOREST = ROOT / "examples" / "forest.png"
+ARTIFACTS = ROOT / "artifacts"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--autoplay-policy=no-user-gesture-required"]
+WAIT_MS = 120_000  # generous bound on waits; never asserted as a timing
+
+VIDEO_STATE = """() => {
+  const v = document.querySelector('#lingbot-video video');
+  if (!v || !v.buffered.length) return null;
+  return {time: v.currentTime, buffered: v.buffered.end(v.buffered.length - 1), paused: v.paused,
+          error: v.error && v.error.code};
+}"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    engine = lingbot_app.create_engine(preset="tiny", engine_config=EngineConfig(max_sessions=2))
+    app = lingbot_app.build_demo(engine, workdir=tmp_path_factory.mktemp("app"))
+    _, url, _ = app.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True)
+    try:
+        yield url, engine
+    finally:
+        app.close()
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+def replay_blocks(engine, session_id: str) -> list[list[list[str]]]:
+    return [block["frames"] for block in json.loads(engine.replay(session_id).to_json())["blocks"]]
+
+
+def wait_for_key_in_replay(engine, session_id: str, key: str) -> None:
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while not any(key in frame for frames in replay_blocks(engine, session_id) for frame in frames):
+        assert time.monotonic() < deadline, f"key {key!r} never reached the world"
+        time.sleep(0.05)
+
+
+def start_world(page, url: str) -> str:
+    """Load the page, upload the forest, press Start, wait for video to play; returns the session id."""
+    page.goto(url)
+    page.wait_for_selector("#lingbot-video")
+    page.locator("input[type=file]").first.set_input_files(str(FOREST))
+    page.wait_for_selector("img[src*='forest']", timeout=WAIT_MS)
+    page.get_by_role("button", name="Start", exact=True).click()
+    page.wait_for_function(f"({VIDEO_STATE})()?.time > 0.2", timeout=WAIT_MS)
+    return page.locator("#lingbot-session textarea, #lingbot-session input").first.input_value()
+
+
+def telemetry_block(page) -> int:
+    text = page.locator("#lingbot-telemetry").inner_text()
+    assert text.startswith("block "), text
+    assert "ms/block" in text and "FPS generated" in text and "session memory" in text and "sessions active" in text
+    return int(text.split()[1])
+
+
+def test_play_keys_stop_and_download_in_the_browser(server, browser, tmp_path):
+    url, engine = server
+    page = browser.new_page(viewport={"width": 1280, "height": 900}, accept_downloads=True)
+    errors = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    session_id = start_world(page, url)
+    assert session_id in engine.session_ids()
+
+    # The video plays: the playhead and the buffered range move on, and the telemetry follows the blocks.
+    before, block_before = page.evaluate(VIDEO_STATE), telemetry_block(page)
+    page.wait_for_function(f"({VIDEO_STATE})().time > {before['time'] + 1.0} && "
+                           f"({VIDEO_STATE})().buffered > {before['buffered'] + 1.0}", timeout=WAIT_MS)
+    after = page.evaluate(VIDEO_STATE)
+    assert after["error"] is None and not after["paused"]
+    assert telemetry_block(page) > block_before
+
+    # A held key reaches the world and lights its button while held.
+    page.mouse.click(5, 5)
+    page.keyboard.down("w")
+    page.wait_for_selector("#lingbot-key-w.lingbot-held")
+    wait_for_key_in_replay(engine, session_id, "w")
+    page.keyboard.up("w")
+    page.wait_for_selector("#lingbot-key-w:not(.lingbot-held)")
+
+    # So does holding an on-screen key button.
+    page.locator("#lingbot-key-d").hover()
+    page.mouse.down()
+    wait_for_key_in_replay(engine, session_id, "d")
+    page.mouse.up()
+
+    # Typing in a text field is text, not movement.
+    prompt = page.get_by_label("Prompt")
+    prompt.click()
+    prompt.press_sequentially(" ijkl")
+    blocks_then = len(replay_blocks(engine, session_id))
+    page.wait_for_function(f"({VIDEO_STATE})().buffered > {page.evaluate(VIDEO_STATE)['buffered'] + 1.5}",
+                           timeout=WAIT_MS)
+    assert len(replay_blocks(engine, session_id)) > blocks_then + 1
+    assert not any(k in frame for frames in replay_blocks(engine, session_id) for frame in frames for k in "ijkl")
+    assert prompt.input_value().endswith(" ijkl")
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "browser_play.png"), full_page=True)
+
+    # Stop: the session closes and the rollout is offered for download.
+    page.get_by_role("button", name="Stop", exact=True).click()
+    page.wait_for_function("document.querySelector('#lingbot-telemetry').innerText.startsWith('stopped after')",
+                           timeout=WAIT_MS)
+    assert session_id not in engine.session_ids()
+    with page.expect_download() as replay_download:
+        page.locator("#lingbot-replay").click()
+    replay = json.loads(Path(replay_download.value.path()).read_text())
+    with page.expect_download() as mp4_download:
+        page.locator("#lingbot-mp4").click()
+    mp4 = tmp_path / "rollout.mp4"
+    mp4_download.value.save_as(mp4)
+    assert count_frames(mp4)[0] == engine.pipeline.config.pixel_frames_for_blocks(len(replay["blocks"]))
+    assert any("w" in frame for block in replay["blocks"] for frame in block["frames"])
+    assert errors == []
+    page.close()
+
+
+def test_closing_the_tab_closes_the_session(server, browser):
+    url, engine = server
+    page = browser.new_page()
+    session_id = start_world(page, url)
+    assert session_id in engine.session_ids()
+    page.close()  # the tab goes: the heartbeat drops, demo.unload and the stream's exit both close the session
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while session_id in engine.session_ids():
+        assert time.monotonic() < deadline, "the session outlived its tab"
+        time.sleep(0.1)
+    assert engine.stats()["pages_in_use"] == 0

@@ -1,0 +1,459 @@
+"""Engine oracles: admission by bytes, round-robin at block boundaries, pacing to the consumer, idle TTL, LRU
+eviction, every path returning every page, and the threaded worker equal to the offline command.
+
+Most tests drive the engine with `run_once` (start_worker=False) and an injected clock, so nothing depends on
+timing. The pipeline is the tiny float32 model of test_session (window slides from block 2 on, slim VAE).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib.util
+import json
+import os
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lingbot_core.config import WAN21_VAE, tiny_config
+from lingbot_core.events import EventError, read_events
+from lingbot_core.generate import controls_from_events
+from lingbot_core.loading import build_seeded_parts
+from lingbot_core.pipeline import Pipeline
+from lingbot_core.serving.engine import (
+    Admission,
+    AdmissionRefused,
+    BlockMessage,
+    Engine,
+    EngineConfig,
+    ErrorMessage,
+    UnknownSession,
+)
+from lingbot_core.serving.session import Replay, held_bytes
+from lingbot_core.video import count_frames, frames_to_uint8
+
+SLIM_VAE = dict(WAN21_VAE, base_dim=4, num_res_blocks=1)
+CONFIG = dataclasses.replace(tiny_config(rope_max_seq_len=8, sink_size=3, sliding_window_num_frames=9), vae=SLIM_VAE)
+# For the 1,000-cycle test: one latent frame per block, 32x32 pixels.
+MICRO = dataclasses.replace(tiny_config(num_frames_per_block=1, sink_size=1, sliding_window_num_frames=3),
+                            vae=SLIM_VAE, width=32)
+BLOCK = CONFIG.transformer.num_frames_per_block
+PROMPT = "a lighthouse on a cliff"
+BIG = 1 << 34  # a budget that never binds here; capacity comes from max_sessions
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _pipeline(config) -> Pipeline:
+    parts = build_seeded_parts(config, seed=0, dtype=torch.float32)
+    return Pipeline(parts.config, parts.transformer, parts.vae, parts.text_encoder, torch.device("cpu"),
+                    torch.float32)
+
+
+@pytest.fixture(scope="module")
+def pipe() -> Pipeline:
+    return _pipeline(CONFIG)
+
+
+@pytest.fixture(scope="module")
+def image() -> np.ndarray:
+    rng = np.random.default_rng(1)
+    return rng.integers(0, 256, size=(48, 80, 3), dtype=np.uint8)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def _engine(pipe, clock, **config) -> Engine:
+    config.setdefault("memory_budget_bytes", BIG)
+    return Engine(pipe, EngineConfig(**config), clock=clock, start_worker=False)
+
+
+def _admit(engine: Engine, image, seed: int = 0, prompt: str = PROMPT) -> str:
+    ticket = engine.admit(image, prompt, seed)
+    assert ticket.admission is Admission.ADMITTED
+    return ticket.session_id
+
+
+def _counting_steps(monkeypatch, pipe) -> list:
+    """Every block the pipeline runs, by the prompt of the state it ran on."""
+    calls = []
+    step = Pipeline.step
+
+    def counted(self, pool, state, control, on_stage=None):
+        calls.append(state.prompt)
+        return step(self, pool, state, control, on_stage)
+
+    monkeypatch.setattr(Pipeline, "step", counted)
+    return calls
+
+
+# ---------------------------------------------------------------------------------------------
+# Admission
+
+
+def test_admission_by_bytes_waits_in_line_then_refuses(pipe, image, clock):
+    probe = _engine(pipe, clock, max_sessions=1)
+    one, reserve = probe.session_bytes, probe.block_reserve
+    assert one >= probe.footprint.committed + probe.footprint.message and reserve >= probe.footprint.in_flight
+    probe.shutdown()
+    with pytest.raises(ValueError, match="holds no session"):
+        _engine(pipe, clock, memory_budget_bytes=reserve + one - 1)
+
+    engine = _engine(pipe, clock, memory_budget_bytes=reserve + 3 * one - 1, max_waiting=2, ticket_ttl_s=30,
+                     evictable_after_s=1000)
+    assert engine.capacity == 2
+    first, second = _admit(engine, image), _admit(engine, image)
+    t1 = engine.admit(image, PROMPT, 0)
+    t2 = engine.admit(image, PROMPT, 0)
+    assert (t1.admission, t1.position, t2.position) == (Admission.WAITING, 1, 2)
+    with pytest.raises(AdmissionRefused, match="server is full"):
+        engine.admit(image, PROMPT, 0)
+    assert engine.stats()["waiting"] == 2
+
+    engine.close(first)
+    # The second in line may not jump ahead of the first.
+    assert engine.admit(image, PROMPT, 0, ticket_id=t2.ticket_id).position == 1 + 1
+    admitted = engine.admit(image, PROMPT, 0, ticket_id=t1.ticket_id)
+    assert admitted.admission is Admission.ADMITTED
+    # The first ticket is gone; the second is now first, but there is no room.
+    assert engine.admit(image, PROMPT, 0, ticket_id=t2.ticket_id).position == 1
+    # A ticket not polled for ticket_ttl_s leaves the line; polling it again joins at the back.
+    clock.now += 31
+    assert engine.admit(image, PROMPT, 0).position == 1
+    assert engine.admit(image, PROMPT, 0, ticket_id=t2.ticket_id).position == 2
+    engine.shutdown()
+    assert engine.pool.allocator.num_in_use == 0 and second not in engine.session_ids()
+
+
+def test_accounted_bytes_match_live_tensors_and_stay_under_the_charge(pipe, image, clock):
+    engine = _engine(pipe, clock, max_sessions=3, max_lead_blocks=2)
+    ids = [_admit(engine, image, seed) for seed in range(3)]
+    for _ in range(6):  # 3 sessions x 2 blocks ahead
+        assert engine.run_once() is not None
+    assert engine.run_once() is None
+    for _ in range(2):
+        assert isinstance(engine.next_message(ids[0], timeout=0), BlockMessage)
+    engine.run_once()  # ids[0] one block further: outboxes hold 1, 2 and 2 blocks
+
+    page_bytes = engine.footprint.page_bytes
+    seen: set[int] = set()
+    live = 0
+    for live_session in engine._sessions.values():  # the real tensors, not the accounting code
+        rollout = live_session.session.rollout
+        live += held_bytes(rollout, seen) + len(rollout.kv.frame_pages) * page_bytes
+        live += held_bytes(list(live_session.outbox), seen)
+    assert engine.accounted_bytes() == pytest.approx(live, rel=0.10)
+    assert engine.pool.allocator.num_in_use * page_bytes == sum(
+        len(s.session.rollout.kv.frame_pages) * page_bytes for s in engine._sessions.values())
+    for session_id in ids:
+        status = engine.session_status(session_id)
+        assert status["bytes"] + status["blocks_waiting"] * engine.footprint.message <= engine.session_bytes
+    assert engine.stats()["accounted_bytes"] <= engine.capacity * engine.session_bytes
+    engine.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduling
+
+
+def test_round_robin_at_block_boundaries_and_no_compute_for_idle_viewers(pipe, image, clock, monkeypatch):
+    engine = _engine(pipe, clock, max_sessions=3)
+    ids = [_admit(engine, image, seed, prompt=f"world {seed}") for seed in range(3)]
+    calls = _counting_steps(monkeypatch, pipe)
+    order = []
+    for _ in range(9):  # every consumer takes each block at once: strict rotation
+        session_id = engine.run_once()
+        order.append(ids.index(session_id))
+        assert isinstance(engine.next_message(session_id, timeout=0), BlockMessage)
+    assert order == [0, 1, 2] * 3
+    assert [engine.session_status(s)["block_index"] for s in ids] == [3, 3, 3]
+
+    # Nobody consumes: each session makes one block (the default lead) and then nothing runs.
+    for _ in range(3):
+        assert engine.run_once() is not None
+    before = len(calls)
+    for _ in range(5):
+        assert engine.run_once() is None
+    assert len(calls) == before
+    assert [engine.session_status(s)["block_index"] for s in ids] == [4, 4, 4]
+
+    # One viewer takes its block: only that session runs again.
+    assert engine.next_message(ids[1], timeout=0).block_index == 3
+    assert engine.run_once() == ids[1] and engine.run_once() is None
+    assert calls[before:] == ["world 1"]
+    engine.shutdown()
+
+
+def test_lead_lets_a_session_run_ahead_by_that_many_blocks(pipe, image, clock):
+    engine = _engine(pipe, clock, max_sessions=1, max_lead_blocks=3)
+    session_id = _admit(engine, image)
+    assert [engine.run_once() for _ in range(4)] == [session_id] * 3 + [None]
+    assert [engine.next_message(session_id, timeout=0).block_index for _ in range(3)] == [0, 1, 2]
+    assert engine.next_message(session_id, timeout=0) is None
+    engine.shutdown()
+
+
+def test_input_applies_at_the_next_block_boundary(pipe, image, clock):
+    engine = _engine(pipe, clock, max_sessions=1)
+    session_id = _admit(engine, image)
+    engine.post_event(session_id, {"event_id": 3, "keys": ["w"]})
+    engine.post_event(session_id, {"event_id": 4, "frames": [["l"], ["l"], []]})
+    engine.run_once()
+    first = engine.next_message(session_id, timeout=0)
+    assert first.event_ids == (3, 4)
+    engine.run_once()
+    assert engine.next_message(session_id, timeout=0).event_ids == ()
+    with pytest.raises(EventError, match="stale"):
+        engine.post_event(session_id, {"event_id": 4, "keys": []})
+    frames = [b["frames"] for b in engine.replay(session_id).blocks]
+    assert frames == [[["l", "w"], ["l", "w"], ["w"]], [["w"], ["w"], ["w"]]]
+    engine.shutdown()
+
+
+def test_a_failed_block_is_reported_and_retried_only_after_new_input(pipe, image, clock, monkeypatch):
+    engine = _engine(pipe, clock, max_sessions=1)
+    session_id = _admit(engine, image)
+    engine.run_once()
+    engine.next_message(session_id, timeout=0)
+    step = Pipeline.step
+
+    def failing(self, pool, state, control, on_stage=None):
+        def hook(stage):
+            if stage == "decode":
+                raise RuntimeError("device lost")
+        return step(self, pool, state, control, hook)
+
+    monkeypatch.setattr(Pipeline, "step", failing)
+    pages = engine.pool.allocator.num_in_use
+    assert engine.run_once() == session_id
+    error = engine.next_message(session_id, timeout=0)
+    assert isinstance(error, ErrorMessage) and not error.fatal and "device lost" in error.text
+    status = engine.session_status(session_id)
+    assert (status["status"], status["block_index"], status["waiting_for_input"]) == ("failed", 1, True)
+    assert engine.pool.allocator.num_in_use == pages
+    assert engine.run_once() is None  # no retry loop without new input
+    monkeypatch.setattr(Pipeline, "step", step)
+    engine.post_event(session_id, {"event_id": 0, "keys": ["s"]})
+    assert engine.run_once() == session_id
+    message = engine.next_message(session_id, timeout=0)
+    assert message.block_index == 1 and message.event_ids == (0,)
+    assert engine.session_status(session_id)["status"] == "active"
+    engine.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# Eviction and cleanup
+
+
+def test_idle_ttl_closes_a_session_and_tells_its_consumer(pipe, image, clock):
+    engine = _engine(pipe, clock, max_sessions=2, idle_ttl_s=60)
+    watched, idle = _admit(engine, image), _admit(engine, image)
+    for _ in range(4):
+        clock.now += 25  # the watched session is consumed regularly; the idle one is not
+        engine.run_once()
+        engine.next_message(watched, timeout=0)
+    assert engine.session_ids() == [watched]
+    message = engine.next_message(idle, timeout=0)
+    assert isinstance(message, ErrorMessage) and message.fatal and "no input and no viewer" in message.text
+    assert engine.session_status(idle) == {"status": "closed", "closed_reason": message.text[len("session closed: "):]}
+    with pytest.raises(UnknownSession, match="closed: no input"):
+        engine.post_event(idle, {"event_id": 0, "keys": []})
+    with pytest.raises(UnknownSession, match="never existed"):
+        engine.next_message("nope", timeout=0)
+    engine.close(watched, "consumer disconnected")
+    assert engine.pool.allocator.num_in_use == 0 and engine.accounted_bytes() == 0
+    assert "consumer disconnected" in engine.next_message(watched, timeout=0).text
+    engine.shutdown()
+
+
+def test_lru_idle_session_is_evicted_for_a_newcomer(pipe, image, clock):
+    engine = _engine(pipe, clock, max_sessions=2, evictable_after_s=10, idle_ttl_s=1000)
+    old, recent = _admit(engine, image), _admit(engine, image)
+    for session_id in (old, recent):
+        engine.run_once()
+    clock.now += 5
+    engine.post_event(recent, {"event_id": 0, "keys": ["w"]})
+    ticket = engine.admit(image, PROMPT, 1)
+    assert ticket.admission is Admission.WAITING  # nobody idle long enough yet
+    clock.now += 6  # old idle 11 s, recent 6 s
+    newcomer = engine.admit(image, PROMPT, 1, ticket_id=ticket.ticket_id)
+    assert newcomer.admission is Admission.ADMITTED
+    assert set(engine.session_ids()) == {recent, newcomer.session_id}
+    assert "evicted" in engine.next_message(old, timeout=0).text
+    window = CONFIG.transformer.sliding_window_num_frames - BLOCK
+    assert engine.pool.allocator.num_in_use == BLOCK  # only `recent`'s block 0 pages remain
+    assert engine.pool.allocator.num_pages == 2 * window + BLOCK
+    engine.shutdown()
+    assert engine.pool.allocator.num_in_use == 0
+
+
+def test_reset_drops_the_old_world_and_keeps_event_ids_monotonic(pipe, image, clock):
+    engine = _engine(pipe, clock, max_sessions=1, max_lead_blocks=2)
+    session_id = _admit(engine, image)
+    engine.post_event(session_id, {"event_id": 5, "keys": ["w"]})
+    for _ in range(2):
+        engine.run_once()
+    engine.post_event(session_id, {"event_id": 6, "keys": ["a"]})
+    engine.reset(session_id, np.flipud(image).copy(), "a new world", 9)
+    assert engine.next_message(session_id, timeout=0) is None  # old blocks dropped
+    assert engine.pool.allocator.num_in_use == 0
+    with pytest.raises(EventError, match="stale"):
+        engine.post_event(session_id, {"event_id": 6, "keys": []})
+    engine.post_event(session_id, {"event_id": 7, "keys": ["d"]})
+    engine.run_once()
+    message = engine.next_message(session_id, timeout=0)
+    assert (message.block_index, message.event_ids) == (0, (7,))
+    replay = engine.replay(session_id)
+    assert (replay.seed, replay.prompt, len(replay.blocks)) == (9, "a new world", 1)
+    engine.shutdown()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_thousand_sessions_through_every_exit_leave_an_empty_pool_and_flat_rss(image, clock, monkeypatch):
+    pipe = _pipeline(MICRO)
+    engine = Engine(pipe, EngineConfig(memory_budget_bytes=BIG, max_sessions=2, idle_ttl_s=60, evictable_after_s=10),
+                    clock=clock, start_worker=False)
+    step = Pipeline.step
+    fail_next = []
+
+    def fail_at_commit(stage):
+        if stage == "commit":
+            raise RuntimeError("injected")
+
+    def maybe_failing(self, pool, state, control, on_stage=None):
+        if fail_next:
+            fail_next.pop()
+            on_stage = fail_at_commit
+        return step(self, pool, state, control, on_stage)
+
+    monkeypatch.setattr(Pipeline, "step", maybe_failing)
+    replays, rss = [], []
+    for cycle in range(1000):
+        if cycle == 100:
+            gc.collect()
+            rss.append(_rss_bytes())
+        session_id = _admit(engine, image, seed=cycle)
+        replays.append(weakref.ref(engine.replay(session_id)))
+        engine.post_event(session_id, {"event_id": 0, "keys": ["w"]})
+        assert engine.run_once() == session_id
+        path = cycle % 6
+        if path == 0:  # watched, then closed by the user
+            engine.next_message(session_id, timeout=0)
+            engine.close(session_id)
+        elif path == 1:  # reset into a new world, one more block, then the consumer disconnects
+            engine.reset(session_id, image, "another world", cycle)
+            engine.run_once()
+            engine.close(session_id, "consumer disconnected")
+        elif path == 2:  # nobody watches: the idle TTL closes it
+            clock.now += 61
+            assert engine.run_once() is None
+        elif path == 3:  # a failed block, then a good one, then closed
+            engine.next_message(session_id, timeout=0)
+            fail_next.append(True)
+            engine.run_once()
+            engine.post_event(session_id, {"event_id": 1, "keys": []})
+            engine.run_once()
+            engine.close(session_id)
+        elif path == 4:  # evicted while idle to make room for two newcomers
+            clock.now += 11
+            others = [_admit(engine, image), _admit(engine, image)]
+            assert session_id not in engine.session_ids()
+            for other in others:
+                engine.run_once()
+                engine.close(other)
+        else:  # the server shuts its sessions down at the end of a run of blocks
+            engine.next_message(session_id, timeout=0)
+            for _ in range(2):
+                engine.run_once()
+            engine.close(session_id, "server shutting down")
+        assert engine.pool.allocator.num_in_use == 0, f"cycle {cycle} (path {path}) leaked pages"
+        assert engine.session_ids() == [] and engine.accounted_bytes() == 0
+    gc.collect()
+    rss.append(_rss_bytes())
+    alive = [cycle for cycle, ref in enumerate(replays) if ref() is not None]
+    assert not alive, f"closed sessions of cycles {alive[:12]} are still referenced"
+    assert engine.pool.allocator.num_free == engine.pool.allocator.num_pages
+    assert rss[1] - rss[0] < 24 * 2**20, f"RSS grew by {(rss[1] - rss[0]) / 2**20:.1f} MiB over 900 cycles"
+    engine.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker thread
+
+
+def test_worker_thread_stream_equals_the_offline_command(pipe, image):
+    """Real threads and timing: which block takes which event depends on timing, the replay records it,
+    and the offline rollout of the replay equals the streamed latents."""
+    with Engine(pipe, EngineConfig(memory_budget_bytes=BIG, max_sessions=2)) as engine:
+        session_id = _admit(engine, image, seed=4)
+        latents = []
+        for event_id, keys in enumerate((["w"], ["w", "l"], [], ["i"])):
+            engine.post_event(session_id, {"event_id": event_id, "keys": keys})
+            message = engine.next_message(session_id, timeout=120)
+            assert isinstance(message, BlockMessage), message
+            latents.append(message.latents)
+        replay = engine.replay(session_id)
+        blocks = len(replay.blocks)
+        assert blocks >= len(latents)
+    assert engine.pool.allocator.num_in_use == 0
+    controls = controls_from_events(read_events(replay.to_events_jsonl(), BLOCK), BLOCK)
+    offline = [o.latents for o in pipe.rollout(image, PROMPT, 4, controls[:len(latents)])]
+    for block, (a, b) in enumerate(zip(latents, offline)):
+        assert torch.equal(a, b), f"block {block}"
+    applied = sorted(i for b in replay.blocks for i in b["event_ids"])
+    assert applied == list(range(len(applied)))  # every applied event once, in order
+
+
+# ---------------------------------------------------------------------------------------------
+# examples/realtime.py
+
+
+def _realtime_example():
+    path = Path(__file__).resolve().parents[1] / "examples" / "realtime.py"
+    spec = importlib.util.spec_from_file_location("realtime_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_realtime_example_saves_every_block_and_a_replay_that_reproduces_it(pipe, image, tmp_path):
+    script = "\n".join(json.dumps(e) for e in [
+        {"event_id": 0, "keys": ["w"]}, {"event_id": 2, "frames": [["l"], ["l"], []], "prompt": "a quiet harbour"},
+        {"event_id": 3, "keys": []}, {"event_id": 7, "keys": ["s", "d"]}])
+    events = read_events(script, BLOCK)
+    _realtime_example().run(pipe, image, PROMPT, 5, events, tmp_path, log=lambda *_: None)
+
+    replay = Replay.from_json((tmp_path / "replay.json").read_text())
+    assert [b["event_ids"] for b in replay.blocks] == [[0], [2], [3], [7]]
+    controls = controls_from_events(read_events((tmp_path / "replay.jsonl").read_text(), BLOCK), BLOCK)
+    offline = list(pipe.rollout(image, PROMPT, 5, controls))
+    for block, output in enumerate(offline):
+        assert torch.equal(torch.load(tmp_path / f"block_{block:05d}_latents.pt"), output.latents), block
+        np.testing.assert_array_equal(np.load(tmp_path / f"block_{block:05d}_frames.npy"),
+                                      frames_to_uint8(output.frames))
+    assert count_frames(tmp_path / "rollout.mp4")[0] == CONFIG.pixel_frames_for_blocks(len(events))
