@@ -14,7 +14,7 @@ import torch
 from .config import ModelConfig
 from .image import image_to_tensor, load_image
 from .kv_cache import KVPagePool
-from .loading import load_pipeline_parts
+from .loading import LoadedParts, load_pipeline_parts
 from .model.text import TextEncoder, normalize_prompt
 from .model.vae_stream import FrameDecoder, compile_frame_decoder, decode_latent_frame
 from .rollout import BlockControl, BlockOutput, RolloutState, new_rollout, release, step_block
@@ -30,6 +30,13 @@ class Pipeline:
     dtype: torch.dtype
     decode_frame: FrameDecoder = decode_latent_frame  # the VAE decoder step, compiled or eager
 
+    @classmethod
+    def from_parts(cls, parts: LoadedParts, decode_frame: FrameDecoder = decode_latent_frame) -> "Pipeline":
+        """Wrap loaded (or seeded) parts; device and dtype are read off the transformer's weights."""
+        weight = next(parts.transformer.parameters())
+        return cls(parts.config, parts.transformer, parts.vae, parts.text_encoder, weight.device, weight.dtype,
+                   decode_frame)
+
     def encode_prompt(self, prompt: str) -> Any:
         """Per-layer cross-attention K/V for a prompt: computed once, reused by every forward."""
         text = normalize_prompt(prompt, self.config.text.max_prompt_chars)
@@ -39,12 +46,16 @@ class Pipeline:
 
     def start(self, image, prompt: str, seed: int, **kwargs) -> RolloutState:
         pixels = image_to_tensor(load_image(image), self.config.height, self.config.width)
-        return new_rollout(self.config, self.vae, pixels, self.encode_prompt(prompt), normalize_prompt(
-            prompt, self.config.text.max_prompt_chars), seed, **kwargs)
+        text = normalize_prompt(prompt, self.config.text.max_prompt_chars)
+        return new_rollout(self.config, self.vae, pixels, self.encode_prompt(text), text, seed, **kwargs)
 
     def with_prompt(self, state: RolloutState, prompt: str) -> RolloutState:
-        """A copy of `state` that uses a new prompt; `state` itself stays valid until a block commits."""
+        """A copy of `state` that uses a new prompt; `state` itself stays valid until a block commits.
+
+        The text K/V are computed only when the text really changes (a script may repeat its prompt)."""
         text = normalize_prompt(prompt, self.config.text.max_prompt_chars)
+        if text == state.prompt:
+            return state
         return replace(state, text_kv=self.encode_prompt(text), prompt=text)
 
     def step(self, pool: KVPagePool, state: RolloutState, control: BlockControl,
@@ -87,5 +98,4 @@ def load_pipeline(source: str = "embedded", *, dtype: torch.dtype = torch.bfloat
     if compile:
         parts.transformer.compile_blocks()
         decode_frame = compile_frame_decoder()
-    return Pipeline(parts.config, parts.transformer, parts.vae, parts.text_encoder, torch.device(device), dtype,
-                    decode_frame)
+    return Pipeline.from_parts(parts, decode_frame)

@@ -32,8 +32,7 @@ def single_thread():
 def tiny_pipeline() -> Pipeline:
     """WINDOW_CONFIG with seeded weights, everything in float64 (exactness is asserted against it)."""
     parts = build_seeded_parts(WINDOW_CONFIG, seed=0, dtype=torch.float64)
-    return Pipeline(parts.config, parts.transformer, parts.vae, parts.text_encoder, torch.device("cpu"),
-                    torch.float64)
+    return Pipeline.from_parts(parts)
 
 
 @pytest.fixture(scope="session")

@@ -54,18 +54,12 @@ class FakeClock:
         return self.now
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread for tiny tensors
 
 
 def _pipeline(config) -> Pipeline:
     parts = build_seeded_parts(config, seed=0, dtype=torch.float32)
-    return Pipeline(parts.config, parts.transformer, parts.vae, parts.text_encoder, torch.device("cpu"),
-                    torch.float32)
+    return Pipeline.from_parts(parts)
 
 
 @pytest.fixture(scope="module")

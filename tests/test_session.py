@@ -41,29 +41,19 @@ OTHER_PROMPT = "a snowy pine forest at night"
 SEED = 7
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny tensors: on a shared 2-core machine one intra-op thread is several times faster, and stable."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread for tiny tensors
 
 
 @pytest.fixture(scope="module")
 def pipe() -> Pipeline:
     parts = build_seeded_parts(CONFIG, seed=0, dtype=torch.float32)
-    return Pipeline(parts.config, parts.transformer, parts.vae, parts.text_encoder, torch.device("cpu"),
-                    torch.float32)
+    return Pipeline.from_parts(parts)
 
 
 @pytest.fixture(scope="module")
-def image() -> np.ndarray:
-    """40x70 (not the model's 32x64, so resize and crop run): gradients plus seeded noise."""
-    rng = np.random.default_rng(0)
-    yy, xx = np.mgrid[0:40, 0:70]
-    base = np.stack([xx * 3.5, yy * 6.0, (xx + yy) * 2.0], axis=-1)
-    return np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
+def image(start_image) -> np.ndarray:
+    """conftest's 40x70 start image (not the model's 32x64, so resize and crop run), writable."""
+    return start_image.copy()
 
 
 @pytest.fixture

@@ -47,13 +47,7 @@ def _latents(num_frames, dtype, seed=2):
                        generator=g, dtype=dtype)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """These tensors are tiny: on a shared CPU, intra-op threads spin and wait more than they work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread for tiny tensors
 
 
 @pytest.fixture(scope="module", params=[torch.float64, torch.float32], ids=["fp64", "fp32"])

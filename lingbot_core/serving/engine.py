@@ -343,10 +343,7 @@ class Engine:
         with self._lock:
             live = self._sessions.get(session_id)
             if live is None:
-                reason = self._closed.get(session_id)
-                if reason is None:
-                    raise UnknownSession(session_id)
-                return ErrorMessage(f"session closed: {reason}", fatal=True)
+                return ErrorMessage(f"session closed: {self._closed_reason(session_id)}", fatal=True)
             live.session.last_consumed = self.clock()  # waiting for video counts as watching
             while True:
                 if live.outbox:
@@ -360,6 +357,13 @@ class Engine:
                 if remaining is not None and remaining <= 0:
                     return None
                 self._changed.wait(remaining)
+
+    def _closed_reason(self, session_id: str) -> str:
+        """Why a recently closed session ended; an id never seen (or long forgotten) raises UnknownSession."""
+        reason = self._closed.get(session_id)
+        if reason is None:
+            raise UnknownSession(session_id)
+        return reason
 
     def close(self, session_id: str, reason: str = "closed") -> None:
         """Close a session (by the user, or on consumer disconnect); idempotent, returns every page."""
@@ -383,10 +387,7 @@ class Engine:
         with self._lock:
             live = self._sessions.get(session_id)
             if live is None:
-                reason = self._closed.get(session_id)
-                if reason is None:
-                    raise UnknownSession(session_id)
-                return {"status": SessionStatus.CLOSED.value, "closed_reason": reason}
+                return {"status": SessionStatus.CLOSED.value, "closed_reason": self._closed_reason(session_id)}
             status = live.session.describe()
             status.update(bytes=sum(live.session.nbytes().values()), blocks_waiting=live.blocks_waiting,
                           waiting_for_input=live.waiting_for_input)
