@@ -4,8 +4,11 @@
                                       [--model embedded] [--dtype bf16] [--threads N]
 
 1. One session for --blocks blocks through the engine's worker thread, a consumer taking every block:
-   median block latency around block 10 vs around the last block (flat if nothing grows with the rollout),
-   peak RSS at block 100 vs at the end, and KV pool pages in use once the window has filled (constant).
+   median block latency around block 10, around block 100 and around the last block (flat if nothing
+   grows with the rollout; blocks before the condition encoder's fixed point also pay for encoding, so
+   the condition stage is printed beside each), peak RSS at block 100 vs at the end, and KV pool pages in
+   use once the window has filled (constant). The consumer keeps only each block's timings, not its
+   frames, so the process's RSS is the engine's alone.
 2. --sessions sessions at once, each consumed by its own thread for --concurrent-blocks blocks: aggregate
    generated FPS vs the single session, and the spread of per-session median block times (round-robin
    fairness: one worker, so each session gets about 1/N of the single-session rate).
@@ -18,6 +21,7 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,30 +37,51 @@ IMAGE = ROOT / "examples" / "forest.png"
 KEYS = (["w"], ["w", "l"], ["w"], ["j"], ["i"], ["k"], ["a"], [])  # varied held keys, one change per block
 
 
-def peak_rss_bytes() -> int:
-    """VmHWM: the process's peak resident set so far."""
+def _proc_status_bytes(field: str) -> int:
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _consume(engine: Engine, session_id: str, blocks: int, on_block) -> list[BlockMessage]:
-    """Take `blocks` blocks, posting one held-key change per block; returns the messages."""
-    messages = []
+def peak_rss_bytes() -> int:
+    """VmHWM: the process's peak resident set so far."""
+    return _proc_status_bytes("VmHWM")
+
+
+def rss_bytes() -> int:
+    return _proc_status_bytes("VmRSS")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What the benchmark keeps of a block: its figures, not its frames (which would grow the RSS)."""
+
+    block_index: int
+    block_ms: float
+    condition_ms: float
+
+
+def _consume(engine: Engine, session_id: str, blocks: int, on_block) -> list[Timing]:
+    """Take `blocks` blocks, posting one held-key change per block; returns each block's timings."""
+    timings = []
     for index in range(blocks):
         engine.post_event(session_id, {"event_id": index, "keys": KEYS[index % len(KEYS)]})
         message = engine.next_message(session_id, timeout=3600)
         if not isinstance(message, BlockMessage):
             raise RuntimeError(f"session {session_id}: {message}")
-        messages.append(message)
+        timings.append(Timing(message.block_index, message.block_ms, message.stage_ms.get("condition", 0.0)))
         on_block(index, message)
-    return messages
+        del message  # frames are dropped here, as a viewer that has shown them would
+    return timings
 
 
-def _median_ms(messages: list[BlockMessage], lo: int, hi: int) -> float:
-    return statistics.median(m.block_ms for m in messages[max(0, lo):max(lo + 1, hi)])
+def _around(timings: list[Timing], center: int, field: str, half: int = 5) -> float:
+    """Median of `field` over the blocks within `half` of block index `center` (clamped to the run)."""
+    lo = max(0, min(center - half, len(timings) - 1))
+    hi = max(lo + 1, min(center + half + 1, len(timings)))
+    return statistics.median(getattr(t, field) for t in timings[lo:hi])
 
 
 def long_rollout(pipe, args) -> float:
@@ -73,26 +98,32 @@ def long_rollout(pipe, args) -> float:
         if index + 1 == checkpoint:
             rss_at_checkpoint[0] = peak_rss_bytes()
         if (index + 1) % max(1, args.blocks // 20) == 0:
-            print(f"  block {index + 1}/{args.blocks}: {message.block_ms:.0f} ms, {pages[-1]} pages in use",
-                  file=sys.stderr)
+            print(f"  block {index + 1}/{args.blocks}: {message.block_ms:.0f} ms, {pages[-1]} pages in use, "
+                  f"RSS {rss_bytes() / 2**20:.0f} MiB (peak {peak_rss_bytes() / 2**20:.0f} MiB)",
+                  file=sys.stderr, flush=True)
 
     try:
         started = time.perf_counter()  # admission included, as in the concurrent run
         session_id = engine.admit(IMAGE, "a forest path in spring", 0).session_id
-        messages = _consume(engine, session_id, args.blocks, on_block)
+        timings = _consume(engine, session_id, args.blocks, on_block)
         elapsed = time.perf_counter() - started
         stats = engine.stats()
     finally:
         engine.shutdown()
-    n = len(messages)
+    n = len(timings)
     after_fill = pages[fill:] or pages[-1:]
     frames = pipe.config.pixel_frames_per_block
     early = min(args.concurrent_blocks, n)
     early_fps = early * frames / (arrivals[early - 1] - started)
+    # After the fixed point the condition stage only builds the mask: well under a millisecond here.
+    fixed_at = next((t.block_index for t in timings if t.condition_ms < 5.0), None)
     print(f"one session, {n} blocks ({elapsed:.0f} s, {n * frames / elapsed:.2f} FPS generated; "
           f"{early_fps:.2f} FPS over the first {early} blocks):")
-    print(f"  median block latency around block 10: {_median_ms(messages, 5, 15):.0f} ms; "
-          f"around the last block: {_median_ms(messages, n - 10, n):.0f} ms")
+    for label, center in (("block 10", 10), (f"block {checkpoint}", checkpoint), (f"block {n}", n - 6)):
+        print(f"  median block latency around {label}: {_around(timings, center, 'block_ms'):.0f} ms "
+              f"(condition encode {_around(timings, center, 'condition_ms'):.0f} ms of it)")
+    print(f"  condition stage under 5 ms (the encoder's fixed point) from block: "
+          f"{'never' if fixed_at is None else fixed_at}")
     print(f"  peak RSS at block {checkpoint}: {rss_at_checkpoint[0] / 2**20:.0f} MiB; "
           f"at the end: {peak_rss_bytes() / 2**20:.0f} MiB")
     print(f"  KV pool pages in use after the window filled (block {fill}+): min {min(after_fill)}, "
@@ -108,7 +139,7 @@ def concurrent(pipe, args, single_fps: float) -> None:
     try:
         started = time.perf_counter()
         ids = [engine.admit(IMAGE, f"a forest path, world {i}", i).session_id for i in range(args.sessions)]
-        results: dict[str, list[BlockMessage]] = {}
+        results: dict[str, list[Timing]] = {}
         finished: dict[str, float] = {}
         errors: list[BaseException] = []
 
