@@ -152,9 +152,9 @@ def create_engine(model: str | None = None, *, device: str | None = None, dtype:
         device = os.environ.get("LINGBOT_DEVICE") or default_device()
     # A Hub id is only ever used by choosing it, so choosing it allows the download.
     allow_download = source != "embedded" and not Path(source).expanduser().exists()
-    pipeline = load_pipeline(source, dtype=DTYPES[dtype], device=device, compile=compile,
-                             allow_download=allow_download, **overrides)
-    return Engine(pipeline, engine_config)
+    # Loaded on the engine's model thread, so the thread that serves the page never runs a kernel.
+    return Engine(lambda: load_pipeline(source, dtype=DTYPES[dtype], device=device, compile=compile,
+                                        allow_download=allow_download, **overrides), engine_config)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 import threading
@@ -84,9 +85,12 @@ def _around(timings: list[Timing], center: int, field: str, half: int = 5) -> fl
     return statistics.median(getattr(t, field) for t in timings[lo:hi])
 
 
-def long_rollout(pipe, args) -> float:
-    """Returns the generated FPS over the first --concurrent-blocks blocks, to compare like with like."""
-    engine = Engine(pipe, EngineConfig(max_sessions=1, idle_ttl_s=3600))
+def long_rollout(loader, args) -> tuple[float, object]:
+    """Returns the generated FPS over the first --concurrent-blocks blocks (to compare like with like) and
+    the pipeline, which the engine loads on its model thread (the only thread that runs kernels)."""
+    engine = Engine(loader, EngineConfig(max_sessions=1, idle_ttl_s=3600))
+    pipe = engine.pipeline
+    print(f"{pipe.config.name} on {pipe.device}, {pipe.dtype}, {torch.get_num_threads()} threads")
     t = pipe.config.transformer
     fill = -(-(t.sliding_window_num_frames - t.num_frames_per_block) // t.num_frames_per_block)  # blocks to fill
     checkpoint = min(100, args.blocks // 2)
@@ -104,9 +108,11 @@ def long_rollout(pipe, args) -> float:
 
     try:
         started = time.perf_counter()  # admission included, as in the concurrent run
+        system_cpu = resource.getrusage(resource.RUSAGE_SELF).ru_stime
         session_id = engine.admit(IMAGE, "a forest path in spring", 0).session_id
         timings = _consume(engine, session_id, args.blocks, on_block)
         elapsed = time.perf_counter() - started
+        system_cpu = resource.getrusage(resource.RUSAGE_SELF).ru_stime - system_cpu
         stats = engine.stats()
     finally:
         engine.shutdown()
@@ -122,6 +128,8 @@ def long_rollout(pipe, args) -> float:
     for label, center in (("block 10", 10), (f"block {checkpoint}", checkpoint), (f"block {n}", n - 6)):
         print(f"  median block latency around {label}: {_around(timings, center, 'block_ms'):.0f} ms "
               f"(condition encode {_around(timings, center, 'condition_ms'):.0f} ms of it)")
+    # Kernel time: page faults and the futex waits of OpenMP threads that stopped spinning (see engine.py).
+    print(f"  system CPU time: {1000 * system_cpu / n:.0f} ms a block")
     print(f"  condition stage under 5 ms (the encoder's fixed point) from block: "
           f"{'never' if fixed_at is None else fixed_at}")
     print(f"  peak RSS at block {checkpoint}: {rss_at_checkpoint[0] / 2**20:.0f} MiB; "
@@ -131,7 +139,7 @@ def long_rollout(pipe, args) -> float:
     print(f"  accounted bytes at the end: {stats['accounted_bytes'] / 2**20:.1f} MiB (with any block in flight); "
           f"admission charge {stats['session_bytes'] / 2**20:.1f} MiB per session + "
           f"{stats['block_reserve'] / 2**20:.1f} MiB for the running block")
-    return early_fps
+    return early_fps, pipe
 
 
 def concurrent(pipe, args, single_fps: float) -> None:
@@ -185,9 +193,8 @@ def main() -> None:
         parser.error("--blocks must be >= 2, --concurrent-blocks and --sessions >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    pipe = load_pipeline(args.model, dtype=DTYPES[args.dtype], device=args.device)
-    print(f"{pipe.config.name} on {args.device}, {args.dtype}, {torch.get_num_threads()} threads")
-    single_fps = long_rollout(pipe, args)
+    single_fps, pipe = long_rollout(lambda: load_pipeline(args.model, dtype=DTYPES[args.dtype], device=args.device),
+                                    args)
     concurrent(pipe, args, single_fps)
 
 

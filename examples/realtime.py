@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lingbot_core.events import EventError, read_events_file  # noqa: E402
 from lingbot_core.serving.engine import Admission, BlockMessage, Engine, EngineConfig  # noqa: E402
-from lingbot_core.video import H264Writer, frames_to_uint8  # noqa: E402
+from lingbot_core.video import H264Writer  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -51,7 +51,7 @@ def run(pipeline, image, prompt: str, seed: int, events: list, output_dir: Path,
                 message = engine.next_message(session_id, timeout=0)
                 if not isinstance(message, BlockMessage):
                     raise RuntimeError(message.text if message is not None else "no block was produced")
-                frames = frames_to_uint8(message.frames)
+                frames = message.pixels
                 stem = output_dir / f"block_{message.block_index:05d}"
                 torch.save(message.latents, f"{stem}_latents.pt")
                 np.save(f"{stem}_frames.npy", frames)

@@ -12,6 +12,7 @@ import gc
 import importlib.util
 import json
 import os
+import threading
 import weakref
 from pathlib import Path
 
@@ -421,6 +422,40 @@ def test_worker_thread_stream_equals_the_offline_command(pipe, image):
         assert torch.equal(a, b), f"block {block}"
     applied = sorted(i for b in replay.blocks for i in b["event_ids"])
     assert applied == list(range(len(applied)))  # every applied event once, in order
+
+
+def test_all_model_work_runs_on_the_one_worker_thread(pipe, image, monkeypatch):
+    """Loading, the footprint probe, admission, blocks, reset and close all run on the worker, the one thread
+    that runs kernels (see engine.py), and an error raised there reaches the thread that asked."""
+    seen = []
+    for name in ("start", "step", "new_pool"):
+        original = getattr(Pipeline, name)
+
+        def recorded(self, *args, _original=original, _name=name, **kwargs):
+            seen.append((_name, threading.current_thread().name))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(Pipeline, name, recorded)
+
+    def loader() -> Pipeline:
+        seen.append(("load", threading.current_thread().name))
+        return pipe
+
+    with Engine(loader, EngineConfig(memory_budget_bytes=BIG, max_sessions=1)) as engine:
+        session_id = _admit(engine, image)
+        engine.post_event(session_id, {"event_id": 0, "keys": ["w"]})
+        message = engine.next_message(session_id, timeout=120)
+        assert isinstance(message, BlockMessage), message
+        assert message.pixels.dtype == np.uint8
+        first_block_frames = CONFIG.pixel_frames_per_block - (CONFIG.vae_temporal_factor - 1)  # frame 0 decodes to 1
+        assert message.pixels.shape == (first_block_frames, CONFIG.height, CONFIG.width, 3)
+        engine.reset(session_id, image, "a harbour at night", 1)
+        with pytest.raises(UnknownSession):
+            engine.reset("no-such-session", image, PROMPT, 0)  # raised on the worker, re-raised here
+        engine.close(session_id)
+        assert engine.pool.allocator.num_in_use == 0
+    assert {what for what, _ in seen} == {"load", "start", "step", "new_pool"}
+    assert {thread for _, thread in seen} == {"lingbot-engine"}, seen
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,15 +13,23 @@
   consumer disconnect), reset, and LRU eviction of idle sessions when a newcomer needs the room.
   Every path out goes through `Session.close`, which returns every page.
 
-Locks: `_step_lock` serialises everything that touches the model or the page pool (blocks, session
-starts and resets, closes); `_lock` guards the tables and outboxes and is never held during model
-work. Order: `_step_lock` before `_lock`, never the other way. Closers and admitters take priority
-over the worker at the next block boundary.
+One model thread: the worker runs every piece of PyTorch work of the engine, the blocks and also the
+admissions, resets and closes that other threads ask for (queued ahead of its next block, so they go
+first at the block boundary), the loading of the model when the engine is given a loader, and the
+conversion of each block to uint8 pixels. PyTorch's CPU kernels run on OpenMP (libgomp) teams, one
+team per calling thread; once more team threads exist than cores, libgomp stops spinning between
+parallel regions and parks its threads on futexes, which cost about a quarter of an eager block on 2
+cores (system time 0.07 s a block against 0.007 s). Viewer and request threads therefore never call
+PyTorch kernels.
+
+Locks: `_step_lock` serialises everything that touches the model or the page pool; with a worker only
+the worker takes it, without one (tests, scripts calling `run_once`) the callers do. `_lock` guards the
+tables, outboxes and the job queue and is never held during model work. Order: `_step_lock` before
+`_lock`, never the other way.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
 import os
@@ -29,17 +37,23 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, TypeVar
 
+import numpy as np
 import torch
 
 from ..events import Event
 from ..image import load_image
 from ..model.text import normalize_prompt
+from ..pipeline import Pipeline
+from ..video import frames_to_uint8
 from .session import Footprint, Replay, Session, SessionStatus, held_bytes, measure_footprint
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class AdmissionRefused(RuntimeError):
@@ -98,7 +112,7 @@ class BlockMessage:
     """What a consumer receives for each block: frames plus the figures the UI shows."""
 
     block_index: int
-    frames: torch.Tensor  # [1, 3, T, H, W] in [-1, 1], on the CPU
+    pixels: np.ndarray  # [T, H, W, 3] uint8, ready to encode (converted on the model thread)
     latents: torch.Tensor  # [1, z, F, h, w] clean, normalised, on the CPU
     stage_ms: dict[str, float]
     block_ms: float
@@ -106,7 +120,7 @@ class BlockMessage:
 
     @property
     def nbytes(self) -> int:
-        return held_bytes([self.frames, self.latents])
+        return self.pixels.nbytes + held_bytes(self.latents)
 
 
 @dataclass
@@ -145,20 +159,45 @@ def total_memory_bytes(device: torch.device) -> int:
 
 
 class Engine:
-    def __init__(self, pipeline, config: EngineConfig = EngineConfig(), clock: Callable[[], float] = time.monotonic,
-                 start_worker: bool = True) -> None:
-        self.pipeline = pipeline
+    def __init__(self, pipeline: Pipeline | Callable[[], Pipeline], config: EngineConfig = EngineConfig(),
+                 clock: Callable[[], float] = time.monotonic, start_worker: bool = True) -> None:
+        """`pipeline` may be a loader (called once, on the model thread) so the main thread runs no kernels."""
         self.config = config
         self.clock = clock
-        self.footprint, self.block_reserve = self._measure(pipeline)
+        self._sessions: OrderedDict[str, _Live] = OrderedDict()  # round-robin order
+        self._waiting: OrderedDict[str, float] = OrderedDict()  # ticket id -> last poll time
+        self._closed: OrderedDict[str, str] = OrderedDict()  # recently closed id -> reason
+        self._step_lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)  # outboxes, input, jobs
+        self._jobs: deque[tuple[Callable[[], Any], Future]] = deque()  # model work for the worker, in order
+        self._stopped = False
+        self._worker_running = False  # set and cleared under _lock: whether queued jobs will be run
+        self._worker: threading.Thread | None = None
+        if start_worker:
+            self._worker_running = True
+            self._worker = threading.Thread(target=self._run, name="lingbot-engine", daemon=True)
+            self._worker.start()
+        try:
+            self._on_model_thread(lambda: self._setup(pipeline))
+        except BaseException:
+            self._stop_worker()
+            raise
+
+    def _setup(self, pipeline: Pipeline | Callable[[], Pipeline]) -> None:
+        """Load (if given a loader), measure a session, size the budget and the page pool."""
+        self.pipeline = pipeline if isinstance(pipeline, Pipeline) else pipeline()
+        config = self.config
+        self.footprint, self.block_reserve = self._measure(self.pipeline)
         # A session between blocks at its largest, plus the finished blocks its consumer has not taken.
         self.session_bytes = self.footprint.committed + config.max_lead_blocks * self.footprint.message
+        device = self.pipeline.device
         budget = config.memory_budget_bytes
         if budget is None:
-            budget = int(available_memory_bytes(pipeline.device) * config.memory_fraction)
-        elif budget > total_memory_bytes(pipeline.device):
-            raise ValueError(f"memory_budget_bytes={budget} exceeds the {pipeline.device.type} memory of "
-                             f"{total_memory_bytes(pipeline.device) / 2**30:.1f} GiB")
+            budget = int(available_memory_bytes(device) * config.memory_fraction)
+        elif budget > total_memory_bytes(device):
+            raise ValueError(f"memory_budget_bytes={budget} exceeds the {device.type} memory of "
+                             f"{total_memory_bytes(device) / 2**30:.1f} GiB")
         self.memory_budget = int(budget)
         capacity = max(0, (self.memory_budget - self.block_reserve) // self.session_bytes)
         if config.max_sessions is not None:
@@ -168,22 +207,10 @@ class Engine:
                              f"{self.session_bytes / 2**20:.1f} MiB plus {self.block_reserve / 2**20:.1f} MiB "
                              "for the block being computed")
         self.capacity = int(capacity)
-        t = pipeline.config.transformer
+        t = self.pipeline.config.transformer
         # Between blocks a session holds sink + recent pages; only the one running block holds its own too.
-        self.pool = pipeline.new_pool(self.capacity * (t.sliding_window_num_frames - t.num_frames_per_block)
-                                      + t.num_frames_per_block)
-        self._sessions: OrderedDict[str, _Live] = OrderedDict()  # round-robin order
-        self._waiting: OrderedDict[str, float] = OrderedDict()  # ticket id -> last poll time
-        self._closed: OrderedDict[str, str] = OrderedDict()  # recently closed id -> reason
-        self._step_lock = threading.Lock()
-        self._lock = threading.RLock()
-        self._changed = threading.Condition(self._lock)  # outboxes, input, priority requests
-        self._priority = 0  # threads waiting for the step lock ahead of the worker
-        self._stopped = False
-        self._worker: threading.Thread | None = None
-        if start_worker:
-            self._worker = threading.Thread(target=self._run, name="lingbot-engine", daemon=True)
-            self._worker.start()
+        self.pool = self.pipeline.new_pool(self.capacity * (t.sliding_window_num_frames - t.num_frames_per_block)
+                                           + t.num_frames_per_block)
 
     @staticmethod
     def _measure(pipeline) -> tuple[Footprint, int]:
@@ -206,21 +233,25 @@ class Engine:
             reserve = max(reserve, peak - probe_pool - probe_state + footprint.block_pages)
         return footprint, int(reserve)
 
-    @contextlib.contextmanager
-    def _admin(self) -> Iterator[None]:
-        """The step lock for a close, reset or admission, taken ahead of the worker's next block."""
+    def _on_model_thread(self, work: Callable[[], T]) -> T:
+        """Run `work` under the step lock on the worker, ahead of its next block, and return its result.
+
+        Without a running worker (tests and scripts that call `run_once`, or after shutdown) it runs in
+        the caller's thread instead.
+        """
+        if threading.current_thread() is self._worker:
+            with self._step_lock:
+                return work()
+        future: Future = Future()
         with self._lock:
-            self._priority += 1
-        try:
-            self._step_lock.acquire()
-        finally:
-            with self._lock:
-                self._priority -= 1
+            queued = self._worker_running
+            if queued:
+                self._jobs.append((work, future))
                 self._changed.notify_all()
-        try:
-            yield
-        finally:
-            self._step_lock.release()
+        if not queued:
+            with self._step_lock:
+                return work()
+        return future.result()
 
     # -- admission ---------------------------------------------------------------------------------
 
@@ -245,22 +276,25 @@ class Engine:
             ticket_id = self._line_up_locked(ticket_id)
             if not self._first_and_room_locked(ticket_id):
                 return self._waiting_ticket_locked(ticket_id)
-        with self._admin():
-            with self._lock:
-                # Another admission may have taken the room while this one waited for the step lock.
-                ticket_id = self._line_up_locked(ticket_id)
-                if not self._first_and_room_locked(ticket_id):
-                    return self._waiting_ticket_locked(ticket_id)
-                if not self._fits_locked():
-                    self._evict_lru_idle_locked()
-                self._waiting.pop(ticket_id, None)
-            # Model work outside the table lock; the step lock keeps other admissions out meanwhile.
-            session_id = uuid.uuid4().hex
-            session = Session(session_id, self.pipeline, self.pool, picture, prompt, seed,
-                              self.config.max_queued_events, self.clock, self.footprint)
-            with self._lock:
-                self._sessions[session_id] = _Live(session)
-                self._changed.notify_all()
+        return self._on_model_thread(lambda: self._open_session(ticket_id, picture, prompt, seed))
+
+    def _open_session(self, ticket_id: str | None, picture, prompt: str, seed: int) -> Ticket:
+        """The admission's model work; runs under the step lock, so no block or other admission interleaves."""
+        with self._lock:
+            # Another admission may have taken the room while this one waited for the model thread.
+            ticket_id = self._line_up_locked(ticket_id)
+            if not self._first_and_room_locked(ticket_id):
+                return self._waiting_ticket_locked(ticket_id)
+            if not self._fits_locked():
+                self._evict_lru_idle_locked()
+            self._waiting.pop(ticket_id, None)
+        # Model work outside the table lock, so input and status calls are not held up.
+        session_id = uuid.uuid4().hex
+        session = Session(session_id, self.pipeline, self.pool, picture, prompt, seed,
+                          self.config.max_queued_events, self.clock, self.footprint)
+        with self._lock:
+            self._sessions[session_id] = _Live(session)
+            self._changed.notify_all()
         return Ticket(Admission.ADMITTED, session_id=session_id)
 
     def _line_up_locked(self, ticket_id: str | None) -> str | None:
@@ -325,7 +359,7 @@ class Engine:
 
     def reset(self, session_id: str, image, prompt: str, seed: int) -> None:
         """A new world in the same session: blocks of the old world not yet taken are dropped."""
-        with self._admin():
+        def work() -> None:
             with self._lock:
                 live = self._live_locked(session_id)
             live.session.reset(image, prompt, seed)  # model work: outside the table lock
@@ -333,6 +367,8 @@ class Engine:
                 live.outbox = deque(m for m in live.outbox if not isinstance(m, BlockMessage))
                 live.waiting_for_input = False
                 self._changed.notify_all()
+
+        self._on_model_thread(work)
 
     def next_message(self, session_id: str, timeout: float | None = None) -> BlockMessage | ErrorMessage | None:
         """The next block (or error) for this session's consumer; None on timeout (0: do not wait).
@@ -367,8 +403,11 @@ class Engine:
 
     def close(self, session_id: str, reason: str = "closed") -> None:
         """Close a session (by the user, or on consumer disconnect); idempotent, returns every page."""
-        with self._admin(), self._lock:
-            self._close_locked(session_id, reason)
+        def work() -> None:
+            with self._lock:
+                self._close_locked(session_id, reason)
+
+        self._on_model_thread(work)
 
     def _close_locked(self, session_id: str, reason: str) -> None:
         """Needs the step lock (the pool is touched) and the table lock."""
@@ -466,8 +505,8 @@ class Engine:
             block_ms = 1000.0 * (time.perf_counter() - started)
             replay = live.session.replay
             event_ids = tuple(replay.blocks[-1]["event_ids"]) if replay.blocks else ()
-            message = BlockMessage(output.block_index, output.frames.cpu(), output.latents.cpu(), output.stage_ms,
-                                   block_ms, event_ids)
+            message = BlockMessage(output.block_index, frames_to_uint8(output.frames), output.latents.cpu(),
+                                   output.stage_ms, block_ms, event_ids)
             with self._lock:
                 live.outbox.append(message)
                 self._changed.notify_all()
@@ -476,10 +515,21 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while self._priority and not self._stopped:
-                    self._changed.wait()  # a close, reset or admission goes first
-                if self._stopped:
+                if self._jobs:
+                    work, future = self._jobs.popleft()
+                elif self._stopped:
+                    self._worker_running = False  # later requests run in their callers' threads
                     return
+                else:
+                    work = None
+            if work is not None:  # admissions, resets and closes go before the next block
+                if future.set_running_or_notify_cancel():
+                    try:
+                        with self._step_lock:
+                            future.set_result(work())
+                    except BaseException as exc:  # handed to the thread that asked
+                        future.set_exception(exc)
+                continue
             try:
                 ran = self.run_once()
             except Exception:  # a bug, not a session failure: keep serving the others
@@ -487,18 +537,22 @@ class Engine:
                 ran = None
             if ran is None:
                 with self._lock:
-                    if not self._stopped and not self._priority and not any(
+                    if not self._stopped and not self._jobs and not any(
                             self._runnable_locked(live) for live in self._sessions.values()):
                         self._changed.wait(self.config.worker_poll_s)
 
-    def shutdown(self) -> None:
-        """Stop the worker and close every session."""
+    def _stop_worker(self) -> None:
+        """Stop the worker after the jobs already queued; later model work runs in its callers' threads."""
         with self._lock:
             self._stopped = True
             self._changed.notify_all()
         if self._worker is not None:
             self._worker.join()
-        with self._admin(), self._lock:
+
+    def shutdown(self) -> None:
+        """Stop the worker and close every session."""
+        self._stop_worker()
+        with self._step_lock, self._lock:
             for session_id in list(self._sessions):
                 self._close_locked(session_id, "server shutting down")
             self._waiting.clear()

@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from ..events import Event, EventError, KeyStateEvent, ScriptEvent, parse_event
@@ -53,7 +54,7 @@ class SessionBusy(RuntimeError):
 
 
 def held_bytes(value: Any, seen: set[int] | None = None) -> int:
-    """Bytes of the tensor storages reachable from `value` (containers, dataclasses, objects); each storage once."""
+    """Bytes of the tensor storages and NumPy buffers reachable from `value` (containers, dataclasses, objects); each once."""
     seen = set() if seen is None else seen
     total = 0
     stack = [value]
@@ -65,6 +66,14 @@ def held_bytes(value: Any, seen: set[int] | None = None) -> int:
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
+        elif isinstance(item, np.ndarray):  # e.g. a block's uint8 pixels; may share memory with a tensor
+            root = item
+            while isinstance(root.base, np.ndarray):
+                root = root.base
+            pointer = root.__array_interface__["data"][0]
+            if pointer not in seen:
+                seen.add(pointer)
+                total += root.nbytes
         elif isinstance(item, (str, bytes, int, float, bool, type(None), type, torch.nn.Module)):
             continue  # scalars hold no tensors; classes and modules (weights) are not session state
         elif id(item) in visited:
@@ -96,7 +105,7 @@ class Footprint:
     rng: int  # the generator state carried between blocks
     block_pages: int  # pages a block reserves for its own K/V
     scratch: int  # a block's working tensors: noise and latents, mask + condition input, Plücker map, frames
-    message: int  # one finished block handed to a consumer: frames + latents
+    message: int  # one finished block handed to a consumer: uint8 pixels + latents
 
     @property
     def committed(self) -> int:
@@ -145,7 +154,8 @@ def measure_footprint(pipeline, seed: int = 0) -> Footprint:
             output, state = pipeline.step(pool, state, BlockControl(actions=(frozenset(),) * frames_per_block))
             condition = max(condition, state.condition.nbytes())
             decoder = max(decoder, state.decoder.nbytes())
-            message = max(message, output.frames.nbytes + output.latents.nbytes)
+            # Consumers get the frames as uint8 pixels (one byte a sample) and the latents as they are.
+            message = max(message, output.frames.numel() + output.latents.nbytes)
     finally:
         release(pool, state)
     window = config.transformer.sliding_window_num_frames

@@ -37,7 +37,7 @@ import numpy as np
 from ..events import EventError
 from ..image import load_image
 from ..model.text import normalize_prompt
-from ..video import frames_to_uint8, mp4_segment
+from ..video import mp4_segment
 from .engine import Admission, AdmissionRefused, BlockMessage, Engine, ErrorMessage, UnknownSession
 
 MAX_SEED = 2**63 - 1
@@ -181,7 +181,7 @@ def telemetry_line(block: BlockMessage, frames: int, fps: int, status: dict[str,
     generated_fps = frames / (block.block_ms / 1000.0) if block.block_ms > 0 else float("inf")
     parts = [f"block {block.block_index}", f"{block.block_ms:.0f} ms/block",
              f"{generated_fps:.1f} FPS generated (playback {fps})"]
-    if status is not None:
+    if status is not None and "bytes" in status:  # a session closed meanwhile reports only why it closed
         parts.append(f"session memory {status['bytes'] / 2**20:.1f} MiB")
         if status.get("queued_events"):
             parts.append(f"{status['queued_events']} events queued")
@@ -383,8 +383,7 @@ class LiveService:
 
     def _record_block(self, record: _Record, message: BlockMessage) -> tuple[Path, int]:
         """Encode one block as the next segment of the recording; returns it and its frame count."""
-        frames = frames_to_uint8(message.frames)  # [T, H, W, 3] uint8
-        return record.recording.add(frames, self.fps), len(frames)
+        return record.recording.add(message.pixels, self.fps), len(message.pixels)
 
     def _telemetry(self, message: BlockMessage, frames: int, session_id: str) -> str:
         try:
