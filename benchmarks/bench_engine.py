@@ -4,9 +4,9 @@
                                       [--model embedded] [--dtype bf16] [--threads N]
 
 1. One session for --blocks blocks through the engine's worker thread, a consumer taking every block:
-   median block latency around block 10, around block 100 and around the last block (flat if nothing
-   grows with the rollout; blocks before the condition encoder's fixed point also pay for encoding, so
-   the condition stage is printed beside each), peak RSS at block 100 vs at the end, and KV pool pages in
+   median block latency around block 10, around block 100, around the last block and in each tenth of
+   the run (flat if nothing grows with the rollout; blocks before the condition encoder's fixed point
+   also pay for encoding, so the condition stage is printed beside each), peak RSS at block 100 vs at the end, and KV pool pages in
    use once the window has filled (constant). The consumer keeps only each block's timings, not its
    frames, so the process's RSS is the engine's alone.
 2. --sessions sessions at once, each consumed by its own thread for --concurrent-blocks blocks: aggregate
@@ -128,6 +128,9 @@ def long_rollout(loader, args) -> tuple[float, object]:
     for label, center in (("block 10", 10), (f"block {checkpoint}", checkpoint), (f"block {n}", n - 6)):
         print(f"  median block latency around {label}: {_around(timings, center, 'block_ms'):.0f} ms "
               f"(condition encode {_around(timings, center, 'condition_ms'):.0f} ms of it)")
+    tenths = [timings[n * i // 10:n * (i + 1) // 10] for i in range(10)]
+    print("  median block latency in each tenth of the run (ms): "
+          + ", ".join(f"{statistics.median(t.block_ms for t in part):.0f}" for part in tenths if part))
     # Kernel time: page faults and the futex waits of OpenMP threads that stopped spinning (see engine.py).
     print(f"  system CPU time: {1000 * system_cpu / n:.0f} ms a block")
     print(f"  condition stage under 5 ms (the encoder's fixed point) from block: "
