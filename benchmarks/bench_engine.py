@@ -6,8 +6,8 @@
 1. One session for --blocks blocks through the engine's worker thread, a consumer taking every block:
    median block latency around block 10, around block 100, around the last block and in each tenth of
    the run (flat if nothing grows with the rollout; blocks before the condition encoder's fixed point
-   also pay for encoding, so the condition stage is printed beside each), peak RSS at block 100 vs at the end, and KV pool pages in
-   use once the window has filled (constant). The consumer keeps only each block's timings, not its
+   also pay for encoding, so the condition stage is printed beside each), peak RSS at block 100 vs at
+   the end, and KV pool pages in use once the window has filled (constant). The consumer keeps only each block's timings, not its
    frames, so the process's RSS is the engine's alone.
 2. --sessions sessions at once, each consumed by its own thread for --concurrent-blocks blocks: aggregate
    generated FPS vs the single session, and the spread of per-session median block times (round-robin
@@ -74,7 +74,7 @@ def _consume(engine: Engine, session_id: str, blocks: int, on_block) -> list[Tim
             raise RuntimeError(f"session {session_id}: {message}")
         timings.append(Timing(message.block_index, message.block_ms, message.stage_ms.get("condition", 0.0)))
         on_block(index, message)
-        del message  # frames are dropped here, as a viewer that has shown them would
+        del message  # its pixels go here, as they would once a viewer has shown them
     return timings
 
 

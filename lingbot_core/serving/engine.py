@@ -18,9 +18,9 @@ admissions, resets and closes that other threads ask for (queued ahead of its ne
 first at the block boundary), the loading of the model when the engine is given a loader, and the
 conversion of each block to uint8 pixels. PyTorch's CPU kernels run on OpenMP (libgomp) teams, one
 team per calling thread; once more team threads exist than cores, libgomp stops spinning between
-parallel regions and parks its threads on futexes, which cost about a quarter of an eager block on 2
-cores (system time 0.07 s a block against 0.007 s). Viewer and request threads therefore never call
-PyTorch kernels.
+parallel regions and parks its threads on futexes: on 2 cores a rollout on a second thread spent
+0.07-0.09 s of system time a block against under 0.01 s on one. Viewer and request threads therefore
+never call PyTorch kernels.
 
 Locks: `_step_lock` serialises everything that touches the model or the page pool; with a worker only
 the worker takes it, without one (tests, scripts calling `run_once`) the callers do. `_lock` guards the
@@ -109,7 +109,7 @@ class Ticket:
 
 @dataclass
 class BlockMessage:
-    """What a consumer receives for each block: frames plus the figures the UI shows."""
+    """What a consumer receives for each block: its pixels and latents plus the figures the UI shows."""
 
     block_index: int
     pixels: np.ndarray  # [T, H, W, 3] uint8, ready to encode (converted on the model thread)
@@ -236,15 +236,12 @@ class Engine:
     def _on_model_thread(self, work: Callable[[], T]) -> T:
         """Run `work` under the step lock on the worker, ahead of its next block, and return its result.
 
-        Without a running worker (tests and scripts that call `run_once`, or after shutdown) it runs in
-        the caller's thread instead.
+        On the worker itself, or without a running worker (tests and scripts that call `run_once`, or after
+        shutdown), it runs in the caller's thread instead.
         """
-        if threading.current_thread() is self._worker:
-            with self._step_lock:
-                return work()
         future: Future = Future()
         with self._lock:
-            queued = self._worker_running
+            queued = self._worker_running and threading.current_thread() is not self._worker
             if queued:
                 self._jobs.append((work, future))
                 self._changed.notify_all()

@@ -33,6 +33,7 @@ from ..image import image_digest, load_image
 from ..kv_cache import KVPagePool
 from ..model.text import PromptError, normalize_prompt
 from ..rollout import BlockControl, BlockOutput, RolloutState, release
+from ..video import frames_to_uint8
 
 
 class SessionStatus(enum.Enum):
@@ -54,7 +55,8 @@ class SessionBusy(RuntimeError):
 
 
 def held_bytes(value: Any, seen: set[int] | None = None) -> int:
-    """Bytes of the tensor storages and NumPy buffers reachable from `value` (containers, dataclasses, objects); each once."""
+    """Bytes of the tensor storages and NumPy buffers reachable from `value` (containers, dataclasses,
+    objects); each buffer once."""
     seen = set() if seen is None else seen
     total = 0
     stack = [value]
@@ -154,8 +156,8 @@ def measure_footprint(pipeline, seed: int = 0) -> Footprint:
             output, state = pipeline.step(pool, state, BlockControl(actions=(frozenset(),) * frames_per_block))
             condition = max(condition, state.condition.nbytes())
             decoder = max(decoder, state.decoder.nbytes())
-            # Consumers get the frames as uint8 pixels (one byte a sample) and the latents as they are.
-            message = max(message, output.frames.numel() + output.latents.nbytes)
+            # What the engine hands a consumer: the frames as uint8 pixels, and the latents.
+            message = max(message, frames_to_uint8(output.frames).nbytes + output.latents.nbytes)
     finally:
         release(pool, state)
     window = config.transformer.sliding_window_num_frames

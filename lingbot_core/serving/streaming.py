@@ -39,6 +39,7 @@ from ..image import load_image
 from ..model.text import normalize_prompt
 from ..video import mp4_segment
 from .engine import Admission, AdmissionRefused, BlockMessage, Engine, ErrorMessage, UnknownSession
+from .session import SessionStatus
 
 MAX_SEED = 2**63 - 1
 MAX_EVENTS_PER_CALL = 64
@@ -181,7 +182,7 @@ def telemetry_line(block: BlockMessage, frames: int, fps: int, status: dict[str,
     generated_fps = frames / (block.block_ms / 1000.0) if block.block_ms > 0 else float("inf")
     parts = [f"block {block.block_index}", f"{block.block_ms:.0f} ms/block",
              f"{generated_fps:.1f} FPS generated (playback {fps})"]
-    if status is not None and "bytes" in status:  # a session closed meanwhile reports only why it closed
+    if status is not None:
         parts.append(f"session memory {status['bytes'] / 2**20:.1f} MiB")
         if status.get("queued_events"):
             parts.append(f"{status['queued_events']} events queued")
@@ -390,6 +391,8 @@ class LiveService:
             status = self.engine.session_status(session_id)
         except UnknownSession:
             status = None
+        if status is not None and status["status"] == SessionStatus.CLOSED.value:
+            status = None  # closed since this block was made: no memory or queue figures to show
         return telemetry_line(message, frames, self.fps, status, self.engine.stats())
 
     async def _replay(self, session_id: str):
