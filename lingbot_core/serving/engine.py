@@ -19,8 +19,8 @@ first at the block boundary), the loading of the model when the engine is given 
 conversion of each block to uint8 pixels. PyTorch's CPU kernels run on OpenMP (libgomp) teams, one
 team per calling thread; once more team threads exist than cores, libgomp stops spinning between
 parallel regions and parks its threads on futexes: on 2 cores a rollout on a second thread spent
-0.07-0.09 s of system time a block against under 0.01 s on one. Viewer and request threads therefore
-never call PyTorch kernels.
+0.08-0.09 s of system time a block against under 0.01 s on one (benchmarks/bench_threads.py). Viewer
+and request threads therefore never call PyTorch kernels.
 
 Locks: `_step_lock` serialises everything that touches the model or the page pool; with a worker only
 the worker takes it, without one (tests, scripts calling `run_once`) the callers do. `_lock` guards the
