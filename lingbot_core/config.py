@@ -31,7 +31,7 @@ class TransformerConfig:
     rope_theta: float = 10000.0
     num_frames_per_block: int = 3  # latent frames generated per block
     sink_size: int = 9  # latent frames kept forever (the first blocks)
-    sliding_window_num_frames: int = 18  # sink + recent history + the current block
+    sliding_window_num_frames: int = 18  # the cache window: sink + recent history + the current block
     camera_channels: int = 6  # Plücker map: ray origin xyz + ray direction xyz
     camera_unshuffle: int = 8  # pixel_unshuffle factor of the Plücker map (= VAE spatial factor)
 
@@ -64,34 +64,105 @@ class TransformerConfig:
         if self.mask_channels <= 0:
             raise ValueError("in_channels must exceed 2 * out_channels (latent + mask + condition)")
 
-    # diffusers config.json keys that carry no shape information for this model
-    _IGNORED_KEYS = ("_class_name", "_diffusers_version", "_name_or_path", "qk_norm", "image_dim",
-                     "added_kv_proj_dim", "pos_embed_seq_len", "rope_max_seq_len_2d")
-
     @classmethod
     def from_diffusers_config(cls, raw: dict[str, Any]) -> "TransformerConfig":
-        """Build from a checkpoint's transformer/config.json; unknown keys are refused by name."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        kwargs: dict[str, Any] = {}
-        unknown = []
-        for key, value in raw.items():
-            if key in known:
-                kwargs[key] = tuple(value) if isinstance(value, list) else value
-            elif key not in cls._IGNORED_KEYS:
-                unknown.append(key)
-        for key in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
-            if raw.get(key) is not None:
-                raise ValueError(f"transformer config sets {key}={raw[key]!r}; this model has no image branch")
+        """Build from a checkpoint's transformer/config.json, which must carry the published key set.
+
+        Refused, by name: a key outside PUBLISHED_KEYS and METADATA_KEYS, a published key that is missing,
+        a `_class_name` other than the causal LingBot transformer, a qk_norm this model does not implement,
+        an image branch, and a `local_attn_size` that is neither -1 nor a window holding the sink plus one
+        block. A positive `local_attn_size` is upstream's cache window in latent frames: it becomes this
+        config's `sliding_window_num_frames`, the one window every part of the project reads.
+        """
+        unknown = sorted(set(raw) - set(PUBLISHED_KEYS) - set(METADATA_KEYS))
         if unknown:
-            raise ValueError(f"transformer config has keys this model does not know: {sorted(unknown)}")
+            raise ValueError(f"transformer config has keys this model does not know: {unknown}")
+        missing = [key for key in PUBLISHED_KEYS if key not in raw]
+        if missing:
+            raise ValueError(f"transformer config lacks keys the published config carries: {missing}")
+        class_name = raw.get("_class_name", TRANSFORMER_CLASS_NAME)
+        if class_name != TRANSFORMER_CLASS_NAME:
+            raise ValueError(f"transformer config _class_name is {class_name!r}; this model is {TRANSFORMER_CLASS_NAME}")
+        if raw["qk_norm"] != QK_NORM:
+            raise ValueError(f"transformer config qk_norm={raw['qk_norm']!r}; this model implements {QK_NORM!r} "
+                             "(one RMSNorm over all heads, on q and k)")
+        for key in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
+            if raw[key] is not None:
+                raise ValueError(f"transformer config sets {key}={raw[key]!r}; this model has no image branch")
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name in raw:
+                kwargs[f.name] = _checked_value(f.name, raw[f.name], f.default)
+        kwargs["sliding_window_num_frames"] = _cache_window(raw["local_attn_size"], kwargs)
         return cls(**kwargs)
 
     def to_diffusers_config(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out["patch_size"] = list(self.patch_size)
-        out.update(_class_name="CausalLingBotWorldTransformer3DModel", qk_norm="rms_norm_across_heads",
-                   image_dim=None, added_kv_proj_dim=None, pos_embed_seq_len=None)
+        """The published key set (plus `_class_name`), as a checkpoint's transformer/config.json holds it.
+
+        The window is written as upstream's checkpoints write it: `sliding_window_num_frames` with
+        `local_attn_size` -1. Fields the published config does not carry (rope_theta, camera_channels,
+        camera_unshuffle) are fixed by the architecture; a config that changes them cannot be written.
+        """
+        for name in ("rope_theta", "camera_channels", "camera_unshuffle"):
+            if getattr(self, name) != getattr(TransformerConfig, name):
+                raise ValueError(f"{name}={getattr(self, name)} is not expressible in a published transformer config")
+        out: dict[str, Any] = {"_class_name": TRANSFORMER_CLASS_NAME}
+        for key in PUBLISHED_KEYS:
+            out[key] = getattr(self, key, None)
+        out.update(patch_size=list(self.patch_size), qk_norm=QK_NORM, local_attn_size=-1)
         return out
+
+
+TRANSFORMER_CLASS_NAME = "CausalLingBotWorldTransformer3DModel"
+QK_NORM = "rms_norm_across_heads"
+# Every key of the published transformer/config.json (robbyant/lingbot-world-v2-14b-causal-fast-diffusers),
+# in its order. All must be present; nothing else may be, except METADATA_KEYS.
+PUBLISHED_KEYS: tuple[str, ...] = (
+    "patch_size", "num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim",
+    "freq_dim", "ffn_dim", "num_layers", "cross_attn_norm", "eps", "image_dim", "added_kv_proj_dim",
+    "rope_max_seq_len", "pos_embed_seq_len", "qk_norm", "sink_size", "num_frames_per_block",
+    "sliding_window_num_frames", "local_attn_size",
+)
+METADATA_KEYS: tuple[str, ...] = ("_class_name", "_diffusers_version", "_name_or_path")
+
+
+def _checked_value(name: str, value: Any, default: Any) -> Any:
+    """A config.json value with the type of the dataclass default (bool is not an int here)."""
+    if isinstance(default, tuple):
+        if not (isinstance(value, (list, tuple)) and len(value) == len(default)
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+            raise ValueError(f"transformer config {name}={value!r} must be a list of {len(default)} integers")
+        return tuple(value)
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"transformer config {name}={value!r} must be true or false")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"transformer config {name}={value!r} must be a positive integer")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"transformer config {name}={value!r} must be a positive number")
+        return float(value)
+    return value
+
+
+def _cache_window(local_attn_size: Any, kwargs: dict[str, Any]) -> int:
+    """Upstream's meaning: -1 keeps sliding_window_num_frames; a positive value is the window itself."""
+    window = kwargs.get("sliding_window_num_frames", TransformerConfig.sliding_window_num_frames)
+    if isinstance(local_attn_size, bool) or not isinstance(local_attn_size, int):
+        raise ValueError(f"transformer config local_attn_size={local_attn_size!r} must be an integer: -1 or a "
+                         "window in latent frames")
+    if local_attn_size == -1:
+        return window
+    sink = kwargs.get("sink_size", TransformerConfig.sink_size)
+    block = kwargs.get("num_frames_per_block", TransformerConfig.num_frames_per_block)
+    if local_attn_size < sink + block:
+        raise ValueError(f"transformer config local_attn_size={local_attn_size} must be -1 (use "
+                         f"sliding_window_num_frames={window}) or a window of at least sink_size + "
+                         f"num_frames_per_block = {sink + block} latent frames")
+    return local_attn_size
 
 
 @dataclass(frozen=True)
@@ -125,17 +196,29 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class CameraConfig:
-    """Action integrator and intrinsics, in the 832x480 reference frame of the real model."""
+    """Action integrator, key-input intrinsics, and the reference frame of trajectory-file intrinsics."""
 
     move_step: float = 0.05
     yaw_step_deg: float = 6.0
     pitch_step_deg: float = 4.0
-    pitch_limit_deg: float = 85.0
+    pitch_limit_deg: float = 85.0  # a pitch step that would pass it is dropped whole (so 84 with 4-degree steps)
     focal_px: float = 500.0
+    # Where focal_px holds for key input. "target": fx = fy = focal_px in pixels of the output frame at any
+    # size, as upstream's realtime code does for the real checkpoint. "reference": focal_px in the
+    # reference_width x reference_height frame, scaled with the output size (the same field of view at
+    # every size; the embedded preset's own convention).
+    focal_at: str = "target"
+    # Trajectory files give (fx, fy, cx, cy) in this frame; they are scaled to the output size.
     reference_width: int = 832
     reference_height: int = 480
-    max_trajectory_frames: int = 4096
+    # A pose or intrinsics file is bounded by its size in bytes, never by a frame count (upstream validated
+    # a 4,125-frame rollout); 64 MiB is 524,288 float64 poses.
+    max_trajectory_file_bytes: int = 64 * 2**20
     max_npy_header_bytes: int = 65536
+
+    def __post_init__(self) -> None:
+        if self.focal_at not in ("target", "reference"):
+            raise ValueError(f"focal_at must be 'target' or 'reference'; got {self.focal_at!r}")
 
 
 @dataclass(frozen=True)
@@ -204,6 +287,8 @@ EMBEDDED = ModelConfig(
     # A narrow decoder: streaming decode dominates the CPU block time (base 16: ~760 ms of a 1080 ms block).
     vae=dict(WAN21_VAE, base_dim=16, decoder_base_dim=8),
     text=TextConfig(),
+    # Our own preset keeps the real model's field of view at 832x480 (fx = 500 * 224 / 832 here).
+    camera=CameraConfig(focal_at="reference"),
     height=128,
     width=224,
     weights_seed=0,
@@ -224,6 +309,7 @@ def tiny_config(**transformer_overrides: Any) -> ModelConfig:
         vae=dict(WAN21_VAE, base_dim=8),
         text=TextConfig(max_length=16, embedded_d_model=32, embedded_num_layers=1, embedded_num_heads=2,
                         embedded_d_ff=32),
+        camera=CameraConfig(focal_at="reference"),
         height=32,
         width=64,
         weights_seed=0,

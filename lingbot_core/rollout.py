@@ -33,6 +33,9 @@ class BlockControl:
     actions: tuple[frozenset[str], ...] | None = None
     poses: np.ndarray | None = None  # [F, 4, 4] camera-to-world
     intrinsics: np.ndarray | None = None  # [F, 4] fx, fy, cx, cy in the reference frame
+    # With poses from a trajectory file: the largest step of the whole trajectory, so every block is
+    # normalised alike (camera.plan_trajectory). None: per-block normalisation, as for key input.
+    translation_scale: float | None = None
     prompt: str | None = None  # a new text from this block on (the caller re-encodes it)
 
 
@@ -111,7 +114,8 @@ def step_block(config: ModelConfig, transformer, vae, pool: KVPagePool, state: R
         # 1. Camera: poses for this block's latent frames, then the Plücker map anchored on the previous tail.
         poses, intrinsics, next_camera = _block_camera(config, state.camera, control)
         plucker = camera.plucker_block(state.camera.pose, poses, intrinsics, config.width, config.height,
-                                       config.camera).unsqueeze(0).to(device=device, dtype=dtype)
+                                       config.camera, control.translation_scale,
+                                       ).unsqueeze(0).to(device=device, dtype=dtype)
 
         # 2. Condition block from the session's causal encoder history (pending until commit).
         enter("condition")
@@ -165,7 +169,7 @@ def _block_camera(config: ModelConfig, camera_state: camera.CameraState, control
         return poses, intrinsics, camera.CameraState(poses[-1])
     actions = control.actions if control.actions is not None else (frozenset(),) * frames_per_block
     poses, next_camera = camera.integrate_actions(camera_state, actions, config.camera)
-    return poses, camera.reference_intrinsics(config.camera, frames_per_block), next_camera
+    return poses, camera.reference_intrinsics(config.camera, frames_per_block, config.width, config.height), next_camera
 
 
 def _timestep(value: float, device) -> torch.Tensor:

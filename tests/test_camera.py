@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from lingbot_core.config import CameraConfig, tiny_config
+from lingbot_core.config import EMBEDDED, LINGBOT_WORLD_V2_14B, CameraConfig, tiny_config
 from lingbot_core.model.camera import (
     ActionError,
     CameraState,
@@ -21,17 +22,20 @@ from lingbot_core.model.camera import (
     integrate_actions,
     intrinsics_for,
     load_trajectory,
+    plan_trajectory,
     plucker_block,
     reference_intrinsics,
     resample_trajectory,
     rotation_x,
     rotation_y,
     trajectory_blocks,
+    trajectory_translation_scale,
     validate_frame_actions,
     validate_trajectory,
 )
 
 CFG = CameraConfig()
+assert CFG.focal_at == "target"  # the real checkpoint's conventions; tests that need our presets' say so
 FPB = tiny_config().transformer.num_frames_per_block
 
 
@@ -123,17 +127,32 @@ def test_pitch_does_not_lift_movement_and_composes_as_documented():
     np.testing.assert_allclose(poses[1, :3, 3], CFG.move_step * (forward + right), atol=1e-15)
 
 
-def test_pitch_clamps_at_limit_and_state_tracks_it():
+def test_pitch_step_past_the_limit_is_dropped_whole():
+    """Upstream's clamp: 4-degree steps under an 85-degree limit stop at 84, never a partial step to 85."""
+    top = CFG.pitch_step_deg * int(CFG.pitch_limit_deg // CFG.pitch_step_deg)
+    assert top == 84.0
     presses = int(CFG.pitch_limit_deg / CFG.pitch_step_deg) + 5
     poses, state = integrate_actions(CameraState.initial(), [["i"]] * presses, CFG)
-    assert state.pitch_deg == CFG.pitch_limit_deg
+    assert state.pitch_deg == top
     forward = poses[-1, :3, 2]
-    np.testing.assert_allclose(math.degrees(math.asin(-forward[1])), CFG.pitch_limit_deg, atol=1e-9)
-    np.testing.assert_allclose(poses[-1], pose(rotation_x(CFG.pitch_limit_deg)), atol=1e-12)
-    # one press down leaves the limit by exactly one step
+    np.testing.assert_allclose(math.degrees(math.asin(-forward[1])), top, atol=1e-9)
+    np.testing.assert_allclose(poses[-1], pose(rotation_x(top)), atol=1e-12)
+    np.testing.assert_array_equal(poses[-5:], np.broadcast_to(poses[-6], (5, 4, 4)))  # the dropped presses
+    # one press down leaves it by exactly one step; the same holds looking down
     poses, state = integrate_actions(state, [["k"]], CFG)
-    assert state.pitch_deg == CFG.pitch_limit_deg - CFG.pitch_step_deg
+    assert state.pitch_deg == top - CFG.pitch_step_deg
     np.testing.assert_allclose(poses[0], pose(rotation_x(state.pitch_deg)), atol=1e-12)
+    _, state = integrate_actions(CameraState.initial(), [["k"]] * presses, CFG)
+    assert state.pitch_deg == -top
+    # a dropped pitch step still lets yaw and movement of the same frame act
+    at_top = CameraState(pose(rotation_x(top)), top)
+    poses, state = integrate_actions(at_top, [["i", "l", "w"]], CFG)
+    assert state.pitch_deg == top
+    np.testing.assert_allclose(poses[0, :3, :3], rotation_y(CFG.yaw_step_deg) @ rotation_x(top), atol=1e-12)
+    # a limit the steps land on exactly is reached (a step "passes" the limit only beyond it)
+    exact = CameraConfig(pitch_step_deg=5.0, pitch_limit_deg=85.0)
+    _, state = integrate_actions(CameraState.initial(), [["i"]] * 20, exact)
+    assert state.pitch_deg == 85.0
     # and w at the limit still moves horizontally by one full step
     poses, _ = integrate_actions(CameraState(pose(rotation_x(CFG.pitch_limit_deg)), CFG.pitch_limit_deg),
                                  [["w"]], CFG)
@@ -163,15 +182,47 @@ def test_integrator_is_pure_and_blockwise_equals_one_shot():
 # Intrinsics and Plücker maps
 
 
-def test_intrinsics_scale_with_resolution():
-    assert intrinsics_for(CFG, CFG.reference_width, CFG.reference_height) == (
-        CFG.focal_px, CFG.focal_px, CFG.reference_width / 2, CFG.reference_height / 2)
-    fx, fy, cx, cy = intrinsics_for(CFG, 224, 128)
+def test_key_intrinsics_keep_500px_at_any_size_for_the_real_checkpoint():
+    """Upstream's realtime path: fx = fy = 500 px at the target size, principal point at the centre."""
+    assert CFG.focal_at == "target"
+    for width, height in [(832, 480), (224, 128), (1280, 720), (64, 32)]:
+        assert intrinsics_for(CFG, width, height) == (500.0, 500.0, width / 2, height / 2)
+        # the reference-frame form plucker_block takes comes back to the same pixels
+        ref = reference_intrinsics(CFG, 2, width, height)
+        scaled = ref * np.array([width / 832, height / 480, width / 832, height / 480])
+        np.testing.assert_allclose(scaled, [[500.0, 500.0, width / 2, height / 2]] * 2, rtol=1e-14)
+    # at 832x480 both conventions agree exactly
+    np.testing.assert_array_equal(reference_intrinsics(CFG, 2), [[500.0, 500.0, 416.0, 240.0]] * 2)
+    np.testing.assert_array_equal(reference_intrinsics(CameraConfig(focal_at="reference"), 2),
+                                  reference_intrinsics(CFG, 2))
+
+
+def test_our_presets_may_scale_the_focal_length_instead():
+    own = CameraConfig(focal_at="reference")
+    fx, fy, cx, cy = intrinsics_for(own, 224, 128)
     assert (cx, cy) == (112.0, 64.0)
-    assert fx == pytest.approx(CFG.focal_px * 224 / CFG.reference_width)
-    assert fy == pytest.approx(CFG.focal_px * 128 / CFG.reference_height)
-    np.testing.assert_array_equal(reference_intrinsics(CFG, 2),
-                                  [[CFG.focal_px, CFG.focal_px, CFG.reference_width / 2, CFG.reference_height / 2]] * 2)
+    assert fx == pytest.approx(500 * 224 / 832) and fy == pytest.approx(500 * 128 / 480)
+    np.testing.assert_array_equal(reference_intrinsics(own, 1, 224, 128), [[500.0, 500.0, 416.0, 240.0]])
+    assert EMBEDDED.camera.focal_at == "reference" and LINGBOT_WORLD_V2_14B.camera.focal_at == "target"
+    with pytest.raises(ValueError, match="focal_at"):
+        CameraConfig(focal_at="scaled")
+
+
+def test_rollout_key_path_uses_500px_at_the_output_size(monkeypatch):
+    """The key path's map at a non-reference size is the map of 500 px intrinsics (not 500 * W / 832)."""
+    from lingbot_core import rollout
+    from lingbot_core.rollout import BlockControl
+
+    config = dataclasses.replace(tiny_config(), camera=CFG)
+    poses, intrinsics, _ = rollout._block_camera(config, CameraState.initial(),
+                                                 BlockControl(actions=(frozenset("w"),) * FPB))
+    got = plucker_block(np.eye(4), poses, intrinsics, config.width, config.height, CFG)
+    focal = np.tile([500.0 * 832 / config.width, 500.0 * 480 / config.height, 416.0, 240.0], (FPB, 1))
+    np.testing.assert_allclose(got.numpy(), plucker_block(np.eye(4), poses, focal, config.width, config.height,
+                                                          CFG).numpy(), atol=1e-7)
+    x, y = 0, 0  # corner pixel: its ray's slope is (0.5 - W/2) / 500
+    direction = got[0, 3:, y, x].double().numpy()
+    assert direction[0] / direction[2] == pytest.approx((0.5 - config.width / 2) / 500.0, rel=1e-6)
 
 
 def reference_plucker(anchor, poses, intrinsics, width, height, cfg):
@@ -200,7 +251,7 @@ def reference_plucker(anchor, poses, intrinsics, width, height, cfg):
 def test_fresh_identity_anchor_frame0_is_plain_pixel_rays():
     width, height = 6, 4
     poses, _ = integrate_actions(CameraState.initial(), [[], ["w"], ["l"]], CFG)
-    maps = plucker_block(np.eye(4), poses, reference_intrinsics(CFG, 3), width, height, CFG)
+    maps = plucker_block(np.eye(4), poses, reference_intrinsics(CFG, 3, width, height), width, height, CFG)
     assert maps.dtype == torch.float32 and maps.shape == (3, 6, height, width)
     fx, fy, cx, cy = intrinsics_for(CFG, width, height)
     xs, ys = np.meshgrid(np.arange(width) + 0.5, np.arange(height) + 0.5)
@@ -270,6 +321,116 @@ def test_trajectory_blocks_anchor_and_split():
     assert np.all(first[0, :3] == 0)  # the trajectory's own first pose is its own anchor
     with pytest.raises(TrajectoryError, match="need 9"):
         trajectory_blocks(poses, intr, 3, FPB)
+
+
+# ---------------------------------------------------------------------------------------------
+# A trajectory file as upstream prepares it: truncate, take to latent frames, normalise once
+
+
+def upstream_trajectory_embedding(pixel_poses, intrinsics, num_frames, width, height, cfg):
+    """One-shot oracle written from upstream's offline path (the official generate and vLLM-Omni):
+    truncate to num_frames, sample one pose per latent frame, make relative to the first, framewise
+    deltas, divide every translation by the largest over the WHOLE trajectory, embed all frames at once."""
+    poses = pixel_poses[:num_frames]
+    latent = (num_frames - 1) // 4 + 1
+    idx = np.linspace(0, num_frames - 1, latent)
+    assert np.all(idx == np.round(idx))  # the counts line up: every sample is a file frame
+    poses, k = poses[idx.astype(int)], intrinsics[:num_frames][idx.astype(int)]
+    rel = np.linalg.inv(poses[0]) @ poses
+    rel[0] = np.eye(4)
+    deltas = rel.copy()
+    deltas[1:] = np.linalg.inv(rel[:-1]) @ rel[1:]
+    largest = np.linalg.norm(deltas[:, :3, 3], axis=-1).max()
+    if largest > 0:
+        deltas[:, :3, 3] /= largest
+    out = np.zeros((latent, 6, height, width))
+    xs, ys = np.meshgrid(np.arange(width) + 0.5, np.arange(height) + 0.5)
+    for f in range(latent):
+        fx, cx = k[f, 0] * width / cfg.reference_width, k[f, 2] * width / cfg.reference_width
+        fy, cy = k[f, 1] * height / cfg.reference_height, k[f, 3] * height / cfg.reference_height
+        rays = np.stack([(xs - cx) / fx, (ys - cy) / fy, np.ones_like(xs)], -1)
+        rays /= np.linalg.norm(rays, axis=-1, keepdims=True)
+        rays = rays @ deltas[f, :3, :3].T
+        out[f, :3] = deltas[f, :3, 3][:, None, None]
+        out[f, 3:] = np.moveaxis(rays, -1, 0)
+    return out
+
+
+def official_style_poses(frames: int, seed: int = 0) -> np.ndarray:
+    """A walk like the official examples': real-world scale (~100 units in all), slow then fast, turning."""
+    rng = np.random.default_rng(seed)
+    speed = np.where(np.arange(frames) < frames // 2, 0.02, 0.2)  # the first half crawls
+    yaw = np.cumsum(rng.normal(0, 0.3, frames))
+    position = np.cumsum(np.stack([np.sin(np.radians(yaw)), 0.01 * rng.normal(size=frames),
+                                   np.cos(np.radians(yaw))], -1) * speed[:, None], axis=0)
+    offset = pose(rotation_y(40.0) @ rotation_x(-5.0), (120.0, -3.0, 75.0))  # an arbitrary world frame
+    return np.stack([offset @ pose(rotation_y(a) @ rotation_x(2 * math.sin(i / 50)), t)
+                     for i, (a, t) in enumerate(zip(yaw, position))])
+
+
+def test_trajectory_is_normalised_over_the_whole_trajectory_like_upstream():
+    frames, width, height = 57, 8, 6  # 57 = 12 * 5 - 3: five blocks
+    poses = official_style_poses(frames)
+    intr = np.tile([480.0, 510.0, 410.0, 236.0], (frames, 1)) + np.linspace(0, 8, frames)[:, None]
+    plan = plan_trajectory(poses, intr, FPB, 4)
+    assert len(plan.blocks) == 5 and plan.frames_used == frames and plan.frames_dropped == 0
+    got = np.concatenate([plucker_block(b.anchor, b.poses, b.intrinsics, width, height, CFG,
+                                        plan.translation_scale).numpy() for b in plan.blocks])
+    oracle = upstream_trajectory_embedding(poses, intr, frames, width, height, CFG)
+    np.testing.assert_allclose(got, oracle, atol=2e-6)
+    # The slow first blocks stay slow: per-block normalisation would have made them full speed.
+    step = np.linalg.norm(got[:, :3, 0, 0], axis=1)  # each latent frame's normalised step
+    assert step[1:6].max() < 0.2 and step.max() == pytest.approx(1.0, abs=1e-6)
+    per_block = plucker_block(plan.blocks[0].anchor, plan.blocks[0].poses, plan.blocks[0].intrinsics, width,
+                              height, CFG).numpy()
+    assert np.linalg.norm(per_block[:, :3, 0, 0], axis=1).max() == pytest.approx(1.0, abs=1e-6)
+    np.testing.assert_allclose(per_block[:, 3:], got[:FPB, 3:], atol=1e-6)  # directions agree either way
+    # the scale is the trajectory's largest latent-frame step
+    latent = poses[::4]
+    assert plan.translation_scale == pytest.approx(
+        max(np.linalg.norm((np.linalg.inv(a) @ b)[:3, 3]) for a, b in zip(latent[:-1], latent[1:])), rel=1e-12)
+    assert trajectory_translation_scale(np.broadcast_to(poses[0], (4, 4, 4))) == 0.0
+
+
+def test_a_still_trajectory_has_no_motion_and_no_division_by_zero():
+    poses = np.broadcast_to(pose(rotation_y(10), (5, 0, 5)), (21, 4, 4))
+    plan = plan_trajectory(poses, reference_intrinsics(CFG, 21), FPB, 4)
+    assert plan.translation_scale == 0.0
+    maps = [plucker_block(b.anchor, b.poses, b.intrinsics, 4, 4, CFG, plan.translation_scale) for b in plan.blocks]
+    assert all(torch.count_nonzero(m[:, :3]) == 0 for m in maps)
+    with pytest.raises(ValueError, match="translation_scale"):
+        plucker_block(np.eye(4), poses[:3], reference_intrinsics(CFG, 3), 4, 4, CFG, float("nan"))
+
+
+@pytest.mark.parametrize("frames,num_blocks,blocks,used,dropped", [
+    (961, 10, 10, 117, 844),  # --blocks 10 on an official 961-frame file: its first 117 frames, ~4 a latent frame
+    (961, None, 80, 957, 4),  # no block count: the whole blocks it covers, rounding down
+    (241, None, 20, 237, 4),  # 241 frames -> 61 latent frames -> 20 whole blocks (upstream rounds down)
+    (9, None, 1, 9, 0),
+    (20, None, 1, 9, 11),
+    (21, None, 2, 21, 0),
+    (4125, None, 344, 4125, 0),
+])
+def test_truncation_for_a_requested_frame_count(frames, num_blocks, blocks, used, dropped):
+    poses = np.stack([pose(rotation_y(0.1 * i), (0, 0, i)) for i in range(frames)])
+    intr = reference_intrinsics(CFG, frames)
+    plan = plan_trajectory(poses, intr, FPB, 4, num_blocks)
+    assert (len(plan.blocks), plan.frames_used, plan.frames_dropped) == (blocks, used, dropped)
+    latent = np.concatenate([b.poses for b in plan.blocks])
+    np.testing.assert_array_equal(latent, poses[0:used:4])  # exact file frames, 4 apart
+    assert plan.translation_scale == pytest.approx(4.0)  # the file moves 1 a frame, so 4 a latent frame
+
+
+def test_too_short_trajectories_are_refused_not_stretched():
+    intr = reference_intrinsics(CFG, 20)
+    poses = np.broadcast_to(np.eye(4), (20, 4, 4))
+    with pytest.raises(TrajectoryError, match="the trajectory has 8 frames; one block needs 9"):
+        plan_trajectory(poses[:8], intr[:8], FPB, 4)
+    with pytest.raises(TrajectoryError, match=r"2 blocks need 21 trajectory frames; the trajectory has 20 "
+                                              r"\(enough for 1 blocks\)"):
+        plan_trajectory(poses, intr, FPB, 4, 2)
+    with pytest.raises(ValueError, match="positive integer"):
+        plan_trajectory(poses, intr, FPB, 4, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,8 +550,7 @@ BAD_POSES = {
     "trailing bytes": (npy_bytes(GOOD_P) + b"\0" * 8, "does not match its header"),
     "NaN": (npy_bytes(np.where(np.arange(48).reshape(3, 4, 4) == 20, np.nan, GOOD_P)), "frame 1 has a non-finite"),
     "inf": (npy_bytes(np.where(np.arange(48).reshape(3, 4, 4) == 47, np.inf, GOOD_P)), "frame 2 has a non-finite"),
-    "F=0": (npy_bytes(np.zeros((0, 4, 4))), "has 0 frames"),
-    "F=4097": (npy_bytes(np.broadcast_to(np.eye(4), (4097, 4, 4))), "has 4097 frames"),
+    "F=0": (npy_bytes(np.zeros((0, 4, 4))), "has no frames"),
     "wrong shape": (npy_bytes(GOOD_P[:, :3]), r"shape \[3, 3, 4\] is wrong"),
     "wrong rank": (npy_bytes(GOOD_P.reshape(3, 16)), r"shape \[3, 16\] is wrong"),
     "singular rotation": (npy_bytes(np.zeros((3, 4, 4))), "frame 0 rotation is singular"),
@@ -406,12 +566,43 @@ def test_bad_pose_file_refused_and_left_intact(root, case):
     data, fragment = BAD_POSES[case]
     bad = root / "traj" / "poses.npy"
     bad.write_bytes(data)
-    intr_count = 4097 if case == "F=4097" else 0 if case == "F=0" else 3
+    intr_count = 0 if case == "F=0" else 3
     write_npy(root / "traj" / "intrinsics.npy", reference_intrinsics(CFG, max(intr_count, 1)))
     with pytest.raises(TrajectoryError, match=fragment) as err:
         load_trajectory(bad, root / "traj" / "intrinsics.npy", root)
     assert "poses.npy" in str(err.value)
     assert bad.read_bytes() == data
+
+
+def test_a_4125_frame_trajectory_loads_through_the_file_path(root):
+    """No frame cap: upstream validated a 344-block, 4,125-frame rollout. The bound is bytes."""
+    frames = 4125
+    poses, intr = good_arrays(frames)
+    write_npy(root / "traj" / "poses.npy", poses)
+    write_npy(root / "traj" / "intrinsics.npy", intr)
+    got_p, got_k = load_trajectory("traj/poses.npy", "traj/intrinsics.npy", root)
+    np.testing.assert_array_equal(got_p, poses)
+    np.testing.assert_array_equal(got_k, intr)
+    plan = plan_trajectory(got_p, got_k, frames_per_block=3, temporal_factor=4)
+    assert len(plan.blocks) == 344 and plan.frames_used == 12 * 344 - 3 == 4125 and plan.frames_dropped == 0
+    validate_trajectory(poses, intr)  # arrays from elsewhere obey the same (byte) bound
+
+
+def test_trajectory_files_are_bounded_by_bytes(root):
+    small = CameraConfig(max_trajectory_file_bytes=65 * 128 - 1)  # not quite 65 float64 poses
+    poses, intr = good_arrays(65)
+    write_npy(root / "p.npy", poses)
+    write_npy(root / "k.npy", intr)
+    data = (root / "p.npy").read_bytes()
+    with pytest.raises(TrajectoryError, match=rf"p.npy: file of {len(data)} bytes exceeds the limit of"):
+        load_trajectory("p.npy", "k.npy", root, small)
+    assert (root / "p.npy").read_bytes() == data
+    with pytest.raises(TrajectoryError, match="65 frames take 8320 bytes as float64; the limit is 8319"):
+        validate_trajectory(poses, intr, small)
+    # float32 halves the bytes, so more frames fit the same bound
+    write_npy(root / "p.npy", poses.astype(np.float32))
+    write_npy(root / "k.npy", intr.astype(np.float32))
+    assert len(load_trajectory("p.npy", "k.npy", root, small)[0]) == 65
 
 
 def test_bad_intrinsics_refused(root):

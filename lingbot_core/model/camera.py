@@ -20,8 +20,9 @@ and a positive yaw turns it to (sin a, 0, cos a): right. Hence
 
 Opposite keys in one frame cancel. Within one frame the rotation is applied first,
 R' = R_y(yaw) . R . R_x(pitch), and the move uses the axes of R'. Pitch is tracked in
-`CameraState.pitch_deg` (relative to the session's start pose) and clamped to +-pitch_limit;
-only the clamped delta is applied, so the pose's pitch can never pass the limit.
+`CameraState.pitch_deg` (relative to the session's start pose). As upstream does, a pitch step
+that would take it past +-pitch_limit is dropped whole (with 4-degree steps and an 85-degree limit
+the pitch stops at 84), so the pose's pitch can never pass the limit.
 
 Public API
 ----------
@@ -30,10 +31,12 @@ Public API
     validate_frame_actions(frames, frames_per_block) -> tuple[frozenset[str], ...]
     CameraState(pose, pitch_deg);  CameraState.initial()
     integrate_actions(state, frames_actions, cfg) -> (poses [F,4,4] float64, CameraState)
-    intrinsics_for(cfg, width, height) -> (fx, fy, cx, cy)      in pixels of a width x height frame
-    reference_intrinsics(cfg, num_frames) -> [F, 4]             the same, in 832x480 reference pixels
-    plucker_block(anchor_pose, poses, intrinsics, width, height, cfg) -> torch.float32 [F, 6, H, W]
+    intrinsics_for(cfg, width, height) -> (fx, fy, cx, cy)      key input, in pixels of a width x height frame
+    reference_intrinsics(cfg, num_frames, width, height) -> [F, 4]   the same, in reference pixels
+    plucker_block(anchor_pose, poses, intrinsics, width, height, cfg, translation_scale=None)
+                                                                -> torch.float32 [F, 6, H, W]
     load_trajectory(poses_path, intrinsics_path, trusted_root, cfg) -> (poses [F,4,4], intrinsics [F,4])
+    plan_trajectory(poses, intrinsics, frames_per_block, temporal_factor, num_blocks) -> TrajectoryPlan
     validate_trajectory(poses, intrinsics, cfg) -> (poses, intrinsics)   float64 copies
     resample_trajectory(poses, intrinsics, num_frames) -> (poses, intrinsics)
     trajectory_blocks(poses, intrinsics, num_blocks, frames_per_block) -> tuple[TrajectoryBlock, ...]
@@ -43,6 +46,12 @@ anchor of block 0 is the identity (`CameraState.initial().pose`) and later ancho
 block's last pose. For a trajectory file the anchor of block 0 is the trajectory's own first pose
 (so the first frame has zero motion whatever world frame the file uses); later anchors are again
 the previous block's last pose.
+
+Normalisation: key input divides a block's translations by the largest step of [anchor + its poses]
+(per block, as upstream's realtime tick path does). A trajectory file is normalised once over the
+whole trajectory, as upstream's offline path embeds it: `plan_trajectory` measures the largest
+latent-frame step and every block passes it as `translation_scale`, so a slow block stays slow and the
+blocks together equal the one-shot embedding of the whole trajectory.
 """
 
 from __future__ import annotations
@@ -161,8 +170,9 @@ def integrate_actions(state: CameraState, frames_actions: Sequence[Collection[st
     pitch = state.pitch_deg
     poses = np.empty((len(frames), 4, 4))
     for index, keys in enumerate(frames):
-        new_pitch = min(max(pitch + cfg.pitch_step_deg * (("i" in keys) - ("k" in keys)),
-                            -cfg.pitch_limit_deg), cfg.pitch_limit_deg)
+        new_pitch = pitch + cfg.pitch_step_deg * (("i" in keys) - ("k" in keys))
+        if abs(new_pitch) > cfg.pitch_limit_deg:  # upstream drops the step whole rather than clipping it
+            new_pitch = pitch
         yaw = cfg.yaw_step_deg * (("l" in keys) - ("j" in keys))
         rotation = rotation_y(yaw) @ rotation @ rotation_x(new_pitch - pitch)
         pitch = new_pitch
@@ -187,9 +197,23 @@ def integrate_actions(state: CameraState, frames_actions: Sequence[Collection[st
 # Intrinsics and Plücker maps
 
 
-def reference_intrinsics(cfg: CameraConfig, num_frames: int) -> np.ndarray:
-    """Default intrinsics [F, 4] = (fx, fy, cx, cy) in reference pixels, as `plucker_block` takes them."""
-    row = [cfg.focal_px, cfg.focal_px, cfg.reference_width / 2, cfg.reference_height / 2]
+def reference_intrinsics(cfg: CameraConfig, num_frames: int, width: int | None = None,
+                         height: int | None = None) -> np.ndarray:
+    """Key-input intrinsics [F, 4] = (fx, fy, cx, cy) for a width x height output, in reference pixels.
+
+    That is the frame `plucker_block` takes intrinsics in (it scales them to the output). With
+    cfg.focal_at == "target" the focal length is focal_px once scaled to the output (upstream's realtime
+    convention for the real checkpoint); with "reference" it is focal_px at the reference size.
+    The principal point is the frame's centre either way. Width and height default to the reference size.
+    """
+    width = cfg.reference_width if width is None else width
+    height = cfg.reference_height if height is None else height
+    if width < 1 or height < 1:
+        raise ValueError(f"width and height must be positive; got {width}x{height}")
+    fx = fy = cfg.focal_px
+    if cfg.focal_at == "target":
+        fx, fy = cfg.focal_px * cfg.reference_width / width, cfg.focal_px * cfg.reference_height / height
+    row = [fx, fy, cfg.reference_width / 2, cfg.reference_height / 2]
     return np.tile(np.array(row, dtype=np.float64), (num_frames, 1))
 
 
@@ -201,8 +225,10 @@ def _scale_intrinsics(intrinsics: np.ndarray, cfg: CameraConfig, width: int, hei
 
 
 def intrinsics_for(cfg: CameraConfig, width: int, height: int) -> tuple[float, float, float, float]:
-    """Default (fx, fy, cx, cy) in pixels of a width x height frame (the reference values, scaled)."""
-    fx, fy, cx, cy = _scale_intrinsics(reference_intrinsics(cfg, 1)[0], cfg, width, height)
+    """Key-input (fx, fy, cx, cy) in pixels of a width x height frame, following cfg.focal_at."""
+    if cfg.focal_at == "target":  # exact, rather than through the reference frame and back
+        return float(cfg.focal_px), float(cfg.focal_px), width / 2, height / 2
+    fx, fy, cx, cy = _scale_intrinsics(reference_intrinsics(cfg, 1, width, height)[0], cfg, width, height)
     return float(fx), float(fy), float(cx), float(cy)
 
 
@@ -211,12 +237,16 @@ def _normalise(v: np.ndarray) -> np.ndarray:
 
 
 def plucker_block(anchor_pose: np.ndarray, poses: np.ndarray, intrinsics: np.ndarray,
-                  width: int, height: int, cfg: CameraConfig) -> torch.Tensor:
+                  width: int, height: int, cfg: CameraConfig,
+                  translation_scale: float | None = None) -> torch.Tensor:
     """Plücker map of one block: float32 [F, 6, H, W] = [ray origin xyz, ray direction xyz].
 
     anchor_pose [4, 4]: the pose before this block; its row is used for the relative/delta/normalise
     steps and dropped from the output. poses [F, 4, 4] camera-to-world; intrinsics [F, 4] in
     reference pixels (scaled here by width/reference_width and height/reference_height).
+    translation_scale: None divides the translations by the largest step of [anchor + poses] (key
+    input, per block); a number divides them by it (a trajectory's largest step over all its blocks,
+    from `plan_trajectory`; 0 means a trajectory that never moves).
     """
     anchor_pose = np.asarray(anchor_pose, dtype=np.float64)
     poses = np.asarray(poses, dtype=np.float64)
@@ -235,7 +265,12 @@ def plucker_block(anchor_pose: np.ndarray, poses: np.ndarray, intrinsics: np.nda
     deltas = np.broadcast_to(np.eye(4), sequence.shape).copy()
     deltas[1:] = np.linalg.inv(relative[:-1]) @ relative[1:]
     origins = deltas[:, :3, 3]  # [F+1, 3]
-    largest = np.linalg.norm(origins, axis=-1).max()
+    if translation_scale is None:
+        largest = np.linalg.norm(origins, axis=-1).max()
+    else:
+        largest = float(translation_scale)
+        if not (math.isfinite(largest) and largest >= 0):
+            raise ValueError(f"translation_scale must be a finite number >= 0; got {translation_scale!r}")
     if largest > 0:
         origins = origins / largest
     # Drop the anchor row now that it has taken part in the relative/delta/normalise steps.
@@ -298,6 +333,9 @@ def _read_npy(path: Path, name: str, trailing_shape: tuple[int, ...], cfg: Camer
         if not stat.S_ISREG(info.st_mode):
             raise TrajectoryError(f"{name}: is not a regular file")
         file_size = info.st_size
+        if file_size > cfg.max_trajectory_file_bytes:
+            raise TrajectoryError(f"{name}: file of {file_size} bytes exceeds the limit of "
+                                  f"{cfg.max_trajectory_file_bytes} bytes")
         try:
             version = npy_format.read_magic(fp)
         except ValueError as exc:
@@ -327,9 +365,8 @@ def _read_npy(path: Path, name: str, trailing_shape: tuple[int, ...], cfg: Camer
         expected = "[F, " + ", ".join(map(str, trailing_shape)) + "]"
         if len(shape) != 1 + len(trailing_shape) or tuple(shape[1:]) != trailing_shape:
             raise TrajectoryError(f"{name}: shape {list(shape)} is wrong; need {expected}")
-        frames = shape[0]
-        if not 1 <= frames <= cfg.max_trajectory_frames:
-            raise TrajectoryError(f"{name}: has {frames} frames; need 1 <= F <= {cfg.max_trajectory_frames}")
+        if shape[0] < 1:
+            raise TrajectoryError(f"{name}: has no frames")
         data_size = math.prod(shape) * dtype.itemsize
         if file_size != data_offset + data_size:
             raise TrajectoryError(f"{name}: file size {file_size} bytes does not match its header "
@@ -337,8 +374,8 @@ def _read_npy(path: Path, name: str, trailing_shape: tuple[int, ...], cfg: Camer
         data = fp.read(data_size)
         if len(data) != data_size:
             raise TrajectoryError(f"{name}: file changed while reading (short read)")
-    array = np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran_order else "C")
-    return array.astype(np.float64)
+    # As stored: validate_trajectory bounds it by these bytes, then makes the float64 copy.
+    return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran_order else "C")
 
 
 def load_trajectory(poses_path: str | os.PathLike, intrinsics_path: str | os.PathLike,
@@ -363,7 +400,7 @@ def validate_trajectory(poses: object, intrinsics: object, cfg: CameraConfig = C
     """Value checks for a trajectory from anywhere; returns float64 copies.
 
     poses [F, 4, 4]: finite, rotation block non-singular with det > 0. intrinsics [F, 4]: finite,
-    fx > 0 and fy > 0. 1 <= F <= max_trajectory_frames and equal in both.
+    fx > 0 and fy > 0. F >= 1 and equal in both; each array's values fit max_trajectory_file_bytes.
     """
     checked = []
     for array, name, trailing in ((poses, names[0], (4, 4)), (intrinsics, names[1], (4,))):
@@ -373,8 +410,11 @@ def validate_trajectory(poses: object, intrinsics: object, cfg: CameraConfig = C
         if array.ndim != 1 + len(trailing) or array.shape[1:] != trailing:
             raise TrajectoryError(f"{name}: shape {list(array.shape)} is wrong; need [F, "
                                   + ", ".join(map(str, trailing)) + "]")
-        if not 1 <= len(array) <= cfg.max_trajectory_frames:
-            raise TrajectoryError(f"{name}: has {len(array)} frames; need 1 <= F <= {cfg.max_trajectory_frames}")
+        if len(array) < 1:
+            raise TrajectoryError(f"{name}: has no frames")
+        if array.nbytes > cfg.max_trajectory_file_bytes:  # the bound a file has, for arrays from elsewhere
+            raise TrajectoryError(f"{name}: {len(array)} frames take {array.nbytes} bytes as {array.dtype}; the "
+                                  f"limit is {cfg.max_trajectory_file_bytes}")
         array = np.array(array, dtype=np.float64)
         bad = np.flatnonzero(~np.isfinite(array.reshape(len(array), -1)).all(axis=1))
         if bad.size:
@@ -515,3 +555,64 @@ def trajectory_blocks(poses: np.ndarray, intrinsics: np.ndarray, num_blocks: int
         blocks.append(TrajectoryBlock(anchor.copy(), poses[start:start + frames_per_block].copy(),
                                       intrinsics[start:start + frames_per_block].copy()))
     return tuple(blocks)
+
+
+# ----------------------------------------------------------------------------------------------
+# A trajectory file, prepared as upstream's offline path prepares it
+
+
+def trajectory_translation_scale(poses: np.ndarray) -> float:
+    """The largest framewise step of a whole latent-frame trajectory, after making it relative to its first pose.
+
+    Upstream divides every translation of the trajectory by this one number (0: a camera that never moves).
+    """
+    poses = np.asarray(poses, dtype=np.float64)
+    if len(poses) < 2:
+        return 0.0
+    relative = np.linalg.inv(poses[0]) @ poses
+    steps = np.linalg.inv(relative[:-1]) @ relative[1:]
+    return float(np.linalg.norm(steps[:, :3, 3], axis=-1).max())
+
+
+class TrajectoryPlan(NamedTuple):
+    """A trajectory cut to whole blocks of latent frames, with the one normalisation they all share."""
+
+    blocks: tuple[TrajectoryBlock, ...]
+    translation_scale: float  # the largest latent-frame step of the whole (used) trajectory
+    frames_used: int  # pixel frames the video covers: 12N - 3 for N blocks
+    frames_dropped: int  # the file's frames after those
+
+
+def plan_trajectory(poses: np.ndarray, intrinsics: np.ndarray, frames_per_block: int, temporal_factor: int,
+                    num_blocks: int | None = None) -> TrajectoryPlan:
+    """Truncate a pixel-rate trajectory to what the video needs, take it to latent frames, and measure its scale.
+
+    As upstream: the file's poses count video frames; N blocks need the first 12N - 3 of them (with 3
+    latent frames a block and a temporal factor of 4), and without a block count the video is the whole
+    blocks the file covers, rounding down. Those frames are sampled at every `temporal_factor`-th frame
+    (exact file frames, no interpolation, when the counts line up as they do here; otherwise SLERP).
+    A file too short for the requested blocks is refused rather than stretched.
+    """
+    poses = np.asarray(poses, dtype=np.float64)
+    intrinsics = np.asarray(intrinsics, dtype=np.float64)
+    count = len(poses)
+    if count < 1 or len(intrinsics) != count:
+        raise TrajectoryError(f"need equal, non-zero frame counts; got {count} poses and {len(intrinsics)} intrinsics")
+    if frames_per_block < 1 or temporal_factor < 1:
+        raise ValueError("frames_per_block and temporal_factor must be positive")
+    first_block_frames = frames_per_block * temporal_factor - (temporal_factor - 1)
+    whole_blocks = ((count - 1) // temporal_factor + 1) // frames_per_block  # rounding down, as upstream
+    if num_blocks is None:
+        if whole_blocks < 1:
+            raise TrajectoryError(f"the trajectory has {count} frames; one block needs {first_block_frames}")
+        num_blocks = whole_blocks
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1:
+        raise ValueError(f"num_blocks must be a positive integer; got {num_blocks!r}")
+    used = num_blocks * frames_per_block * temporal_factor - (temporal_factor - 1)
+    if used > count:
+        raise TrajectoryError(f"{num_blocks} blocks need {used} trajectory frames; the trajectory has {count} "
+                              f"(enough for {whole_blocks} blocks)")
+    latent_poses, latent_intrinsics = resample_trajectory(poses[:used], intrinsics[:used],
+                                                          num_blocks * frames_per_block)
+    blocks = trajectory_blocks(latent_poses, latent_intrinsics, num_blocks, frames_per_block)
+    return TrajectoryPlan(blocks, trajectory_translation_scale(latent_poses), used, count - used)
