@@ -39,6 +39,26 @@ def test_normalize_refuses_empty(bad):
         normalize_prompt(bad, 100)
 
 
+def test_prompt_cleaning_follows_the_official_tokenizer_path():
+    """ftfy.fix_text, then html.unescape twice, then whitespace: mojibake and double-escaped entities repaired."""
+    mojibake = "A cafÃ© by the riverâ€™s edge, crÃ¨me-coloured walls"  # UTF-8 bytes read as cp1252
+    assert normalize_prompt(mojibake, 100) == "A café by the river's edge, crème-coloured walls"
+    assert normalize_prompt("rock &amp;amp; roll &lt;3 &quot;live&quot;", 100) == 'rock & roll <3 "live"'
+    # a non-breaking space from mojibake is repaired, not collapsed away first ("Ã\xa0" is "à")
+    assert normalize_prompt("voil\u00c3\u00a0 la mer", 100) == "voilà la mer"
+    # entities that decode to whitespace are collapsed like any other whitespace
+    assert normalize_prompt("a&nbsp;&nbsp; b&#10;c", 100) == "a b c"
+    # clean text is unchanged, and the length bound applies to the cleaned text
+    assert normalize_prompt("a forest path at dawn", 100) == "a forest path at dawn"
+    assert normalize_prompt("&amp;amp;" * 5, 5) == "&&&&&"
+    with pytest.raises(PromptError, match="before cleaning"):
+        normalize_prompt(" " * 70000, 100)
+
+
+def test_cleaned_prompts_encode_identically(encoder64):
+    assert torch.equal(encoder64.encode("cafÃ© &amp;amp; bar"), encoder64.encode("café & bar"))
+
+
 def test_normalize_bounds_length_after_collapsing():
     assert normalize_prompt("ab" + " " * 50 + "cd", 5) == "ab cd"  # 5 chars once collapsed
     with pytest.raises(PromptError, match="6 characters.*limit is 5"):

@@ -7,9 +7,11 @@ through the same `TextEncoder.encode`, so the embedded model exercises the real 
 
 from __future__ import annotations
 
+import html
 import string
 from dataclasses import dataclass
 
+import ftfy
 import torch
 from transformers import PreTrainedTokenizerBase, T5TokenizerFast, UMT5Config, UMT5EncoderModel
 
@@ -21,10 +23,21 @@ class PromptError(ValueError):
 
 
 def normalize_prompt(text: object, max_chars: int) -> str:
-    """Collapse every whitespace run to one space and strip the ends, as the reference pipeline does."""
+    """Clean a prompt as the official tokenizer path does, then bound it.
+
+    The official path (Wan's `basic_clean` + `whitespace_clean`) repairs mojibake with `ftfy.fix_text`
+    (UTF-8 read as Latin-1/cp1252, e.g. "cafÃ©" -> "café"), unescapes HTML entities twice (so
+    "&amp;amp;" becomes "&"), then collapses every whitespace run to one space and strips the ends.
+    The UMT5 encoder was trained on prompts cleaned this way, so the same text must reach it here.
+    """
     if not isinstance(text, str):
         raise PromptError(f"prompt must be a string, got {type(text).__name__}")
-    collapsed = " ".join(text.split())
+    # Bound the raw text before the repair, which is linear but not free; padding with whitespace or
+    # entities is allowed up to this much, the cleaned text is then held to max_chars.
+    if len(text) > max(16 * max_chars, 65536):
+        raise PromptError(f"prompt has {len(text)} characters before cleaning; the limit is {max_chars}")
+    repaired = html.unescape(html.unescape(ftfy.fix_text(text)))
+    collapsed = " ".join(repaired.split())
     if not collapsed:
         raise PromptError("prompt is empty (or only whitespace)")
     if len(collapsed) > max_chars:
