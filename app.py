@@ -41,12 +41,13 @@ from lingbot_core.image import load_image
 from lingbot_core.model import camera
 from lingbot_core.model.text import normalize_prompt
 from lingbot_core.pipeline import load_pipeline
+from lingbot_core.precision import AUTO, DTYPE_CHOICES
+from lingbot_core.startup import StartupLog
 from lingbot_core.serving.engine import Engine, EngineConfig
 from lingbot_core.serving.streaming import LiveService, StreamConfig, StreamError, check_seed
 
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE / "examples"
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TEST_PRESETS = {"tiny": tiny_config}
 # Two groups of four (move, look), each drawn as an inverted T: the first key above the other three.
 KEYS = (("w", "forward"), ("a", "left"), ("s", "back"), ("d", "right"),
@@ -132,13 +133,17 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def create_engine(model: str | None = None, *, device: str | None = None, dtype: str = "bf16",
+def create_engine(model: str | None = None, *, device: str | None = None, dtype: str = AUTO,
                   engine_config: EngineConfig = EngineConfig(), compile: bool = False,
-                  preset: str | None = None) -> Engine:
+                  preset: str | None = None, log: StartupLog | None = None) -> Engine:
     """Load the model (embedded by default, never downloaded unless a Hub id is chosen) and start an engine.
 
     model: "embedded", a local diffusers-format folder or a Hub repo id; default $LINGBOT_MODEL or embedded.
-    preset: tests only ("tiny", or $LINGBOT_TEST_PRESET): the embedded model at a test size.
+    dtype: "auto" (lingbot_core/precision.py decides and says why), "bf16" or "fp32".
+    preset: tests only ("tiny", or $LINGBOT_TEST_PRESET): the embedded model at a test size. A test preset
+    runs in fp32 under "auto": it checks the machinery, and fp32 is fast on every CPU (bf16 is emulated,
+    ~20x slower, on CPUs without AMX or AVX512-BF16), so the tests take the same time everywhere.
+    log: prints each start-up stage with its time.
     """
     source = model or os.environ.get("LINGBOT_MODEL") or "embedded"
     preset = preset or os.environ.get("LINGBOT_TEST_PRESET") or None
@@ -148,13 +153,15 @@ def create_engine(model: str | None = None, *, device: str | None = None, dtype:
             raise ValueError(f"test preset {preset!r}: the presets are {sorted(TEST_PRESETS)}, "
                              "for the embedded model only")
         overrides["preset_hint"] = TEST_PRESETS[preset]()
+        dtype = "fp32" if dtype == AUTO else dtype
     if device is None:  # decided here, not at import: nothing touches CUDA before the app starts
         device = os.environ.get("LINGBOT_DEVICE") or default_device()
     # A Hub id is only ever used by choosing it, so choosing it allows the download.
     allow_download = source != "embedded" and not Path(source).expanduser().exists()
     # Loaded on the engine's model thread, so the thread that serves the page never runs a kernel.
-    return Engine(lambda: load_pipeline(source, dtype=DTYPES[dtype], device=device, compile=compile,
-                                        allow_download=allow_download, **overrides), engine_config)
+    return Engine(lambda: load_pipeline(source, dtype=dtype, device=device, compile=compile,
+                                        allow_download=allow_download, log=log, **overrides), engine_config,
+                  log=log)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,6 +424,9 @@ def _header(config, engine: Engine) -> str:
     text = (f"# LingBot-World v2 — realtime world model\n"
             f"Model **{config.name}**, {config.width}×{config.height} at {config.fps} FPS, "
             f"{config.pixel_frames_per_block} frames per block; up to {engine.capacity} worlds at once.")
+    precision = engine.pipeline.precision
+    if precision is not None:
+        text += f" Precision **{precision.name}**: {precision.reason}."
     if not config.trained:
         text += ("\n\n> ⚠️ **These weights are random (untrained).** The embedded model shows the machinery — "
                  "streaming, controls, sessions — not a meaningful world. Run with `--model` pointing at the real "
@@ -433,7 +443,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", help="embedded (default), a local diffusers folder, or a Hub id "
                                         "(downloaded); default $LINGBOT_MODEL")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=AUTO,
+                        help="auto (default): bf16 on CUDA and on CPUs where it runs natively and a probe shows "
+                             "it faster, else fp32")
     parser.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
     parser.add_argument("--max-sessions", type=int,
                         help="cap on concurrent worlds on top of the memory budget (default: 2 on a CPU, where "
@@ -445,16 +457,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, help="default $GRADIO_SERVER_PORT or 7860")
     args = parser.parse_args(argv)
 
+    log = StartupLog()
+    log.note(f"starting: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+             f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
     budget = int(args.memory_budget_gib * 2**30) if args.memory_budget_gib else None
     device = args.device or os.environ.get("LINGBOT_DEVICE") or default_device()
     max_sessions = args.max_sessions or (2 if device == "cpu" else None)
-    engine = create_engine(args.model, device=device, dtype=args.dtype, compile=args.compile,
+    engine = create_engine(args.model, device=device, dtype=args.dtype, compile=args.compile, log=log,
                            engine_config=EngineConfig(memory_budget_bytes=budget, max_sessions=max_sessions,
                                                       idle_ttl_s=args.idle_ttl))
-    app = build_demo(engine, stream_config=StreamConfig(input_idle_s=args.idle_ttl),
-                     offline_max_blocks=args.offline_max_blocks)
+    with log.stage("build the page"):
+        app = build_demo(engine, stream_config=StreamConfig(input_idle_s=args.idle_ttl),
+                         offline_max_blocks=args.offline_max_blocks)
     try:
-        app.launch(server_name=args.host, server_port=args.port)
+        _, url, _ = app.launch(server_name=args.host, server_port=args.port, prevent_thread_lock=True)
+        log.note(f"ready at {url} ({engine.capacity} worlds at once)")
+        app.demo.block_thread()
     finally:
         app.close()
         engine.shutdown()

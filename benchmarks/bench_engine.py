@@ -1,7 +1,7 @@
 """Long-rollout and multi-session figures of the serving engine (prints them; not a test).
 
     python benchmarks/bench_engine.py [--blocks 2000] [--sessions 4] [--concurrent-blocks 25]
-                                      [--model embedded] [--dtype bf16] [--threads N]
+                                      [--model embedded] [--dtype auto] [--threads N]
 
 1. One session for --blocks blocks through the engine's worker thread, a consumer taking every block:
    median block latency around block 10, around block 100, around the last block and in each tenth of
@@ -30,9 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lingbot_core.pipeline import load_pipeline  # noqa: E402
+from lingbot_core.precision import AUTO, DTYPE_CHOICES  # noqa: E402
 from lingbot_core.serving.engine import BlockMessage, Engine, EngineConfig  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = ROOT / "examples" / "forest.png"
 KEYS = (["w"], ["w", "l"], ["w"], ["j"], ["i"], ["k"], ["a"], [])  # varied held keys, one change per block
@@ -188,7 +188,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=2000)
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--concurrent-blocks", type=int, default=25)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=AUTO)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = parser.parse_args()
@@ -196,7 +196,7 @@ def main() -> None:
         parser.error("--blocks must be >= 2, --concurrent-blocks and --sessions >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    single_fps, pipe = long_rollout(lambda: load_pipeline(args.model, dtype=DTYPES[args.dtype], device=args.device),
+    single_fps, pipe = long_rollout(lambda: load_pipeline(args.model, dtype=args.dtype, device=args.device),
                                     args)
     concurrent(pipe, args, single_fps)
 

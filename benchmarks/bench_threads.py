@@ -1,6 +1,6 @@
 """Why the engine runs every kernel on one thread: a rollout's cost by which threads have run kernels.
 
-    python benchmarks/bench_threads.py [--blocks 26] [--rounds 2] [--model embedded] [--dtype bf16]
+    python benchmarks/bench_threads.py [--blocks 26] [--rounds 2] [--model embedded] [--dtype auto]
 
 Each case runs in a fresh process (libgomp's thread teams live as long as the thread that made them):
 - main:          load and roll out on the main thread (one OpenMP team);
@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lingbot_core.pipeline import load_pipeline  # noqa: E402
+from lingbot_core.precision import AUTO, DTYPE_CHOICES  # noqa: E402
 from lingbot_core.rollout import BlockControl  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CASES = {"main": ("main", "main"), "second thread": ("main", "thread"), "one thread": ("thread", "thread")}
 
 
@@ -46,7 +46,7 @@ def _on(where: str, work):
 
 def run_case(case: str, args) -> None:
     load_on, run_on = CASES[case]
-    pipe = _on(load_on, lambda: load_pipeline(args.model, dtype=DTYPES[args.dtype]))
+    pipe = _on(load_on, lambda: load_pipeline(args.model, dtype=args.dtype))
     controls = [BlockControl(actions=(frozenset("w"),) * pipe.config.transformer.num_frames_per_block)] * args.blocks
 
     def rollout():
@@ -66,7 +66,7 @@ def run_case(case: str, args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="embedded")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=AUTO)
     parser.add_argument("--blocks", type=int, default=26)
     parser.add_argument("--warmup", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2)

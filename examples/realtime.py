@@ -26,11 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lingbot_core.events import EventError, read_events_file  # noqa: E402
+from lingbot_core.precision import AUTO, DTYPE_CHOICES  # noqa: E402
 from lingbot_core.serving.engine import Admission, BlockMessage, Engine, EngineConfig  # noqa: E402
 from lingbot_core.video import H264Writer  # noqa: E402
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
 
 def run(pipeline, image, prompt: str, seed: int, events: list, output_dir: Path, log=print) -> Engine:
     """Play `events` through a fresh engine; returns the (shut down) engine for inspection."""
@@ -77,15 +75,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="embedded", help="embedded, a local diffusers folder, or a Hub id")
     parser.add_argument("--allow-download", action="store_true")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=AUTO)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
 
     from lingbot_core.pipeline import load_pipeline
 
     try:
-        pipeline = load_pipeline(args.model, dtype=DTYPES[args.dtype], device=args.device,
+        pipeline = load_pipeline(args.model, dtype=args.dtype, device=args.device,
                                  allow_download=args.allow_download)
+        print(f"precision: {pipeline.precision.describe()}", file=sys.stderr)
         events = read_events_file(args.events, pipeline.config.transformer.num_frames_per_block)
         if not events:
             parser.error("the events file holds no events")
@@ -96,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"wrote {len(events)} blocks to {output_dir}: rollout.mp4, per-block latents and frames, replay.json; "
           f"reproduce offline with: python -m lingbot_core.generate --image {args.image} --prompt {args.prompt!r} "
-          f"--seed {args.seed} --events {output_dir / 'replay.jsonl'} --dtype {args.dtype} --out OUT.mp4")
+          f"--seed {args.seed} --events {output_dir / 'replay.jsonl'} --dtype {pipeline.precision.name} --out OUT.mp4")
     return 0
 
 

@@ -25,10 +25,9 @@ from .config import ModelConfig
 from .events import KeyStateEvent, ScriptEvent, read_events_file
 from .image import load_image
 from .model import camera
+from .precision import AUTO, DTYPE_CHOICES
 from .rollout import BlockControl
 from .video import H264Writer, frames_to_uint8
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def controls_from_events(events: list, frames_per_block: int) -> list[BlockControl]:
@@ -91,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--height", type=int, help="output height in pixels (default: the model's, 480 for a folder)")
     parser.add_argument("--width", type=int, help="output width in pixels (default: the model's, 832 for a folder)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=AUTO,
+                        help="auto (default): bf16 on CUDA and on CPUs where it runs natively and a probe shows "
+                             "it faster, else fp32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the transformer blocks and the VAE decode step (default: on CUDA only)")
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from .pipeline import load_pipeline  # heavy imports after argument errors
+    from .startup import StartupLog
 
     if (args.events is None) == (args.poses is None):
         parser.error("give exactly one of --events or --poses/--intrinsics")
@@ -109,8 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # The image is checked before the model loads and before the output file is created.
         image = load_image(args.image)
-        pipe = load_pipeline(args.model, dtype=DTYPES[args.dtype], device=args.device, compile=args.compile,
-                             allow_download=args.allow_download, height=args.height, width=args.width)
+        log = StartupLog()
+        log.note(f"starting: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+                 f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+        pipe = load_pipeline(args.model, dtype=args.dtype, device=args.device, compile=args.compile,
+                             allow_download=args.allow_download, height=args.height, width=args.width, log=log)
         frames_per_block = pipe.config.transformer.num_frames_per_block
         start_camera = None
         if args.events is not None:

@@ -15,8 +15,10 @@ from .config import ModelConfig
 from .image import image_to_tensor, load_image
 from .kv_cache import KVPagePool
 from .loading import LoadedParts, load_pipeline_parts
+from .startup import StartupLog, maybe_stage
 from .model.text import TextEncoder, normalize_prompt
 from .model.vae_stream import FrameDecoder, compile_frame_decoder, decode_latent_frame
+from .precision import AUTO, DTYPES, Precision, choose_precision
 from .rollout import BlockControl, BlockOutput, RolloutState, new_rollout, release, step_block
 
 
@@ -29,13 +31,15 @@ class Pipeline:
     device: torch.device
     dtype: torch.dtype
     decode_frame: FrameDecoder = decode_latent_frame  # the VAE decoder step, compiled or eager
+    precision: Precision | None = None  # how the dtype was chosen (None: parts built by the caller)
 
     @classmethod
-    def from_parts(cls, parts: LoadedParts, decode_frame: FrameDecoder = decode_latent_frame) -> "Pipeline":
+    def from_parts(cls, parts: LoadedParts, decode_frame: FrameDecoder = decode_latent_frame,
+                   precision: Precision | None = None) -> "Pipeline":
         """Wrap loaded (or seeded) parts; device and dtype are read off the transformer's weights."""
         weight = next(parts.transformer.parameters())
         return cls(parts.config, parts.transformer, parts.vae, parts.text_encoder, weight.device, weight.dtype,
-                   decode_frame)
+                   decode_frame, precision)
 
     def encode_prompt(self, prompt: str) -> Any:
         """Per-layer cross-attention K/V for a prompt: computed once, reused by every forward."""
@@ -84,18 +88,33 @@ class Pipeline:
             release(pool, state)
 
 
-def load_pipeline(source: str = "embedded", *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
-                  compile: bool | None = None, allow_download: bool = False, **overrides) -> Pipeline:
+def load_pipeline(source: str = "embedded", *, dtype: torch.dtype | str = AUTO, device: str = "cpu",
+                  compile: bool | None = None, allow_download: bool = False, log: StartupLog | None = None,
+                  **overrides) -> Pipeline:
     """Load `embedded`, a local diffusers-format folder or (with allow_download) a Hub repo id.
 
+    dtype: "auto" (see lingbot_core/precision.py: bf16 on CUDA and on CPUs where a probe shows it faster,
+    else fp32), "bf16", "fp32", or a torch dtype. The choice and its reason are on `pipeline.precision`.
     compile=None compiles where it pays off: on CUDA. On a CPU the cold compile (minutes) outweighs the
     gain for an interactive session; `benchmarks/bench_block.py` measures both.
+    log: prints each stage (load, precision, compile) with its time.
     """
+    if isinstance(dtype, torch.dtype):
+        names = {value: name for name, value in DTYPES.items()}
+        dtype = names.get(dtype, dtype)
+    if isinstance(dtype, torch.dtype):  # float64: exactness tests only, no name on the command line
+        parts, precision = load_pipeline_parts(source, dtype=dtype, device=device, allow_download=allow_download,
+                                               **overrides), None
+    else:
+        with maybe_stage(log, "load the model and choose its precision") as details:
+            parts, precision = choose_precision(
+                dtype, device, lambda d: load_pipeline_parts(source, dtype=d, device=device,
+                                                             allow_download=allow_download, **overrides))
+            details.append(f"{parts.config.name}, {precision.describe()}")
     if compile is None:
         compile = torch.device(device).type == "cuda"
-    parts = load_pipeline_parts(source, dtype=dtype, device=device, allow_download=allow_download, **overrides)
     decode_frame = decode_latent_frame
-    if compile:
+    if compile:  # torch.compile is lazy: the graphs build on the first blocks
         parts.transformer.compile_blocks()
         decode_frame = compile_frame_decoder()
-    return Pipeline.from_parts(parts, decode_frame)
+    return Pipeline.from_parts(parts, decode_frame, precision)

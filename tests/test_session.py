@@ -24,6 +24,7 @@ from lingbot_core.loading import build_seeded_parts
 from lingbot_core.model import camera
 from lingbot_core.model.text import PromptError
 from lingbot_core.pipeline import Pipeline
+from lingbot_core.video import frames_to_uint8
 from lingbot_core.serving.session import (
     Replay,
     Session,
@@ -318,6 +319,22 @@ def _live_bytes(session: Session, extra=None) -> int:
         locals_, new_pages = extra
         total += held_bytes(locals_, seen) + len(new_pages) * session.footprint.page_bytes
     return total
+
+
+def test_the_footprint_probe_equals_the_peaks_of_a_real_rollout(pipe, pool, image):
+    """The probe streams a small frame and scales by area; the real session at full size holds the same bytes."""
+    footprint = measure_footprint(pipe)
+    session = _session(pipe, pool, image)
+    condition, decoder, message = session.rollout.condition.nbytes(), 0, 0
+    for _ in range(4):
+        output = session.step()
+        condition = max(condition, session.rollout.condition.nbytes())
+        decoder = max(decoder, session.rollout.decoder.nbytes())
+        message = max(message, frames_to_uint8(output.frames).nbytes + held_bytes(output.latents))
+    assert (footprint.condition, footprint.decoder, footprint.message) == (condition, decoder, message)
+    assert footprint.text_kv == held_bytes(session.rollout.text_kv)
+    assert footprint.rng == held_bytes(session.rollout.rng_state)
+    session.close()
 
 
 def test_accounted_bytes_match_the_live_tensors_between_and_during_blocks(pipe, pool, image):

@@ -41,6 +41,7 @@ Returned tensors (conditions, frames) are shared with the state: treat them as r
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -326,3 +327,45 @@ def decode_block(vae: AutoencoderKLWan, state: DecoderStream, latents: torch.Ten
     out = torch.cat(frames, dim=2).clamp(-1.0, 1.0)  # [1, 3, T, H, W]
     pending = DecoderStream(cache=cache, latent_frames_decoded=state.latent_frames_decoded + x.shape[2])
     return out, pending
+
+
+# ---------------------------------------------------------------------------------------------
+# State sizes, measured on a small frame
+
+
+@dataclass(frozen=True)
+class StreamBytes:
+    """Peak bytes of one session's condition and decoder states, and the most pixel frames a block decodes."""
+
+    condition: int
+    decoder: int
+    pixel_frames: int
+
+
+def probe_stream_bytes(vae: AutoencoderKLWan, model_config: ModelConfig, blocks: int = 2) -> StreamBytes:
+    """Peak bytes of the condition and decoder states over `blocks` blocks at the model's frame size.
+
+    Every tensor these states hold (the frame, feature-cache slots, condition latents) is [.., H / 2^l,
+    W / 2^l] at some level l of the VAE, and the Wan VAE halves even sizes exactly, so their bytes are
+    proportional to the frame's area. The probe therefore streams real blocks through the real VAE on
+    the smallest frame the config allows and scales by the ratio of the areas: the same figures as streaming full frames (tests/test_session.py checks it) at a
+    negligible cost, where two full blocks took 19 s on a 2-core AVX2 CPU. Two blocks suffice: block 0
+    fills the caches, block 1 is the first full-length one, later ones hold the same shapes or less.
+    """
+    # The smallest frame a model config accepts: one square of its size step (the VAE factor times the patch).
+    step = model_config.vae_spatial_factor * math.prod(model_config.transformer.patch_size[1:])
+    small = dataclasses.replace(model_config, height=step, width=step)
+    scale = (model_config.height // step) * (model_config.width // step)  # exact: sizes are multiples of step
+    like = _vae_param(vae)
+    image = torch.zeros(1, 3, small.height, small.width, dtype=like.dtype, device=like.device)
+    condition, decoder = ConditionStream.start(image), DecoderStream()
+    latents = torch.zeros(1, vae.config.z_dim, small.transformer.num_frames_per_block, small.latent_height,
+                          small.latent_width, dtype=like.dtype, device=like.device)
+    peak_condition, peak_decoder, pixel_frames = condition.nbytes(), 0, 0
+    for block in range(blocks):
+        _, condition = encode_condition_block(vae, condition, block, small)
+        frames, decoder = decode_block(vae, decoder, latents)
+        peak_condition = max(peak_condition, condition.nbytes())
+        peak_decoder = max(peak_decoder, decoder.nbytes())
+        pixel_frames = max(pixel_frames, frames.shape[2])
+    return StreamBytes(peak_condition * scale, peak_decoder * scale, pixel_frames)

@@ -48,6 +48,7 @@ from ..events import Event
 from ..image import load_image
 from ..model.text import normalize_prompt
 from ..pipeline import Pipeline
+from ..startup import StartupLog, maybe_stage
 from ..video import frames_to_uint8
 from .session import Footprint, Replay, Session, SessionStatus, held_bytes, measure_footprint
 
@@ -160,9 +161,13 @@ def total_memory_bytes(device: torch.device) -> int:
 
 class Engine:
     def __init__(self, pipeline: Pipeline | Callable[[], Pipeline], config: EngineConfig = EngineConfig(),
-                 clock: Callable[[], float] = time.monotonic, start_worker: bool = True) -> None:
-        """`pipeline` may be a loader (called once, on the model thread) so the main thread runs no kernels."""
+                 clock: Callable[[], float] = time.monotonic, start_worker: bool = True,
+                 log: StartupLog | None = None) -> None:
+        """`pipeline` may be a loader (called once, on the model thread) so the main thread runs no kernels.
+
+        log: prints the start-up stages (the loader's own, then the memory probe) with their times."""
         self.config = config
+        self._log = log
         self.clock = clock
         self._sessions: OrderedDict[str, _Live] = OrderedDict()  # round-robin order
         self._waiting: OrderedDict[str, float] = OrderedDict()  # ticket id -> last poll time
@@ -188,7 +193,10 @@ class Engine:
         """Load (if given a loader), measure a session, size the budget and the page pool."""
         self.pipeline = pipeline if isinstance(pipeline, Pipeline) else pipeline()
         config = self.config
-        self.footprint, self.block_reserve = self._measure(self.pipeline)
+        with maybe_stage(self._log, "memory probe") as details:
+            self.footprint, self.block_reserve = self._measure(self.pipeline)
+            details.append(f"{self.footprint.committed / 2**20:.1f} MiB a session between blocks, "
+                           f"{self.block_reserve / 2**20:.1f} MiB for the running block")
         # A session between blocks at its largest, plus the finished blocks its consumer has not taken.
         self.session_bytes = self.footprint.committed + config.max_lead_blocks * self.footprint.message
         device = self.pipeline.device
