@@ -13,6 +13,22 @@ A checkpoint folder has the diffusers layout of the real release:
 The transformer (28 GB in bf16 for 14B) is built on the meta device and filled one shard at a time,
 so peak host memory is about one shard. Everything that can be checked from headers (key names,
 shapes, shard files) is checked before any weight is read.
+
+What each config file may hold (the README lists the same):
+- model_index.json: transformer, vae, text_encoder and tokenizer entries of the classes in
+  EXPECTED_CLASSES; scheduler of any class (nobody reads it); metadata keys ("_..."); the optional
+  parts a one-expert, text-only checkpoint leaves empty (transformer_2, image_encoder,
+  image_processor: null or [null, null]; boundary_ratio null; expand_timesteps false) and any other
+  scalar key. Refused: a missing or wrong-class required part, a filled optional part, and any other
+  [library, class] part, which this loader would otherwise silently leave out.
+- transformer/config.json: exactly the published key set (config.PUBLISHED_KEYS, all of them) plus
+  metadata; see TransformerConfig.from_diffusers_config for what each value may be.
+- vae/config.json, text_encoder/config.json, tokenizer/: read by diffusers' AutoencoderKLWan and
+  transformers' UMT5EncoderModel / T5TokenizerFast, which take the published key sets and ignore keys
+  they do not know, as they do for any checkpoint. This loader adds the checks that matter here: the
+  VAE class and the plain streamable Wan 2.1 path (vae_stream.check_streamable), model_type "umt5"
+  with d_model equal to the transformer's text_dim, and a tokenizer whose ids fit the encoder's vocabulary.
+- scheduler/: not read; the realtime sampler has its own schedule (config.SamplerConfig).
 """
 
 from __future__ import annotations
@@ -49,6 +65,9 @@ EXPECTED_CLASSES: dict[str, tuple[str, ...]] = {
     "text_encoder": ("UMT5EncoderModel",),
     "tokenizer": ("T5TokenizerFast", "T5Tokenizer"),
 }
+# Parts a one-expert, text-only checkpoint may list but must leave empty, and the empty value of each.
+OPTIONAL_EMPTY_PARTS = ("transformer_2", "image_encoder", "image_processor")
+EMPTY_SCALARS = {"boundary_ratio": None, "expand_timesteps": False}  # two-expert switch; per-token timesteps
 # Only the subfolders the loader reads are fetched from the Hub.
 HUB_PATTERNS = ["model_index.json", "transformer/*", "vae/*", "text_encoder/*", "tokenizer/*", "scheduler/*"]
 
@@ -215,6 +234,23 @@ def _check_model_index(folder: Path) -> None:
     if second is not None and second != [None, None]:
         raise CheckpointError(f"{index_path}: transformer_2 is {second!r}; two-expert checkpoints are not "
                               "supported (this model has one transformer)")
+    for part in OPTIONAL_EMPTY_PARTS[1:]:
+        entry = index.get(part)
+        if entry is not None and entry != [None, None]:
+            raise CheckpointError(f"{index_path}: {part} is {entry!r}; this model has no image encoder branch, so "
+                                  "the checkpoint must leave it empty")
+    for key, empty in EMPTY_SCALARS.items():
+        if index.get(key, empty) != empty:
+            raise CheckpointError(f"{index_path}: {key} is {index[key]!r}; this one-expert model with one timestep "
+                                  f"a block needs {json.dumps(empty)}")
+    known = set(EXPECTED_CLASSES) | {"scheduler", *OPTIONAL_EMPTY_PARTS, *EMPTY_SCALARS}
+    for key, entry in index.items():
+        if key.startswith("_") or key in known:
+            continue
+        if isinstance(entry, list) and len(entry) == 2 and entry[1] is not None:
+            raise CheckpointError(f"{index_path}: part {key!r} ({entry[1]}) is not one this loader builds, and "
+                                  "leaving it out could change the model; expected transformer, vae, text_encoder, "
+                                  "tokenizer and scheduler only")
 
 
 def _read_transformer_config(subfolder: Path) -> TransformerConfig:
@@ -226,8 +262,12 @@ def _read_transformer_config(subfolder: Path) -> TransformerConfig:
 
 
 def _check_text_encoder_config(subfolder: Path, transformer_config: TransformerConfig) -> None:
-    """Read d_model from config.json so a mismatch fails before gigabytes of weights are read."""
-    d_model = _read_json(subfolder / "config.json").get("d_model")
+    """Read model_type and d_model from config.json so a mismatch fails before gigabytes of weights are read."""
+    raw = _read_json(subfolder / "config.json")
+    if raw.get("model_type") != "umt5":
+        raise CheckpointError(f"{subfolder / 'config.json'}: model_type={raw.get('model_type')!r}; the text "
+                              "encoder is UMT5 (model_type 'umt5')")
+    d_model = raw.get("d_model")
     if d_model != transformer_config.text_dim:
         raise CheckpointError(f"{subfolder / 'config.json'}: d_model={d_model} but the transformer's "
                               f"text_dim={transformer_config.text_dim}")
@@ -240,7 +280,9 @@ def _check_text_dim(encoder: TextEncoder, transformer_config: TransformerConfig,
 
 
 def _load_vae(subfolder: Path, dtype: torch.dtype, device: torch.device | str) -> AutoencoderKLWan:
-    _read_json(subfolder / "config.json")  # a clear error for a missing folder
+    class_name = _read_json(subfolder / "config.json").get("_class_name", "AutoencoderKLWan")
+    if class_name != "AutoencoderKLWan":
+        raise CheckpointError(f"{subfolder / 'config.json'}: _class_name is {class_name!r}; the VAE is AutoencoderKLWan")
     try:
         with torch.random.fork_rng(devices=[]):  # from_pretrained may run a random init first; keep the global RNG
             vae = AutoencoderKLWan.from_pretrained(subfolder, torch_dtype=dtype)
@@ -261,6 +303,9 @@ def _load_text_encoder(folder: Path, text_config: TextConfig, dtype: torch.dtype
     except (OSError, ValueError, RuntimeError) as error:
         raise CheckpointError(f"cannot load the text encoder from {folder / 'text_encoder'}: {error}") from error
     model = model.to(device=device).eval().requires_grad_(False)
+    if len(tokenizer) > model.config.vocab_size:  # ids past the embedding table would fail at the first prompt
+        raise CheckpointError(f"{folder / 'tokenizer'} has {len(tokenizer)} tokens but the text encoder's vocabulary "
+                              f"has {model.config.vocab_size}; they do not belong together")
     return TextEncoder(tokenizer=tokenizer, model=model, max_length=text_config.max_length,
                        max_prompt_chars=text_config.max_prompt_chars)
 
