@@ -2,9 +2,12 @@
 
     python -m lingbot_core.generate --image IMG --prompt TEXT --events EVENTS.jsonl --out OUT.mp4
     python -m lingbot_core.generate --image IMG --prompt TEXT --poses P.npy --intrinsics K.npy --out OUT.mp4
+    python -m lingbot_core.generate --action-path examples/00 --out OUT.mp4   # an official example folder
 
 Each script event drives one block (3 latent frames, 12 video frames); N blocks give 12N - 3 frames at
-16 FPS. Frames are encoded as they are made, so memory stays flat for any number of events. A checkpoint
+16 FPS. A trajectory (one pose per video frame) is cut as upstream cuts it: --blocks N uses its first
+12N - 3 frames, and without --blocks the video is the whole blocks it covers, rounding down; the
+command says how many frames were used and dropped. Frames are encoded as they are made, so memory stays flat for any number of events. A checkpoint
 folder runs at 480x832 unless --height/--width say otherwise. Bad input exits with code 2 and leaves no
 output file behind.
 """
@@ -12,7 +15,6 @@ output file behind.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
@@ -23,6 +25,7 @@ import torch
 
 from .config import ModelConfig
 from .events import KeyStateEvent, ScriptEvent, read_events_file
+from .example_folder import read_example_folder
 from .image import load_image
 from .model import camera
 from .precision import AUTO, DTYPE_CHOICES
@@ -41,17 +44,29 @@ def controls_from_events(events: list, frames_per_block: int) -> list[BlockContr
     return controls
 
 
+def plan_trajectory(poses: np.ndarray, intrinsics: np.ndarray, config: ModelConfig,
+                    num_blocks: int | None = None) -> camera.TrajectoryPlan:
+    """A video-rate trajectory truncated to the blocks it drives and normalised over all of them (as upstream)."""
+    return camera.plan_trajectory(poses, intrinsics, config.transformer.num_frames_per_block,
+                                  config.vae_temporal_factor, num_blocks)
+
+
+def trajectory_controls(plan: camera.TrajectoryPlan) -> list[BlockControl]:
+    """One control per block; every block carries the whole trajectory's scale, so streamed == one-shot."""
+    return [BlockControl(poses=block.poses, intrinsics=block.intrinsics, translation_scale=plan.translation_scale)
+            for block in plan.blocks]
+
+
 def controls_from_trajectory(poses: np.ndarray, intrinsics: np.ndarray, config: ModelConfig,
                              num_blocks: int | None = None) -> list[BlockControl]:
-    """Split a video-rate trajectory into per-block latent-frame poses (resampled, no length cap)."""
-    frames_per_block = config.transformer.num_frames_per_block
-    if num_blocks is None:
-        latent_frames = (len(poses) - 1) // config.vae_temporal_factor + 1
-        num_blocks = max(1, math.ceil(latent_frames / frames_per_block))
-    poses, intrinsics = camera.resample_trajectory(poses, intrinsics, num_blocks * frames_per_block)
-    return [BlockControl(poses=poses[b * frames_per_block:(b + 1) * frames_per_block],
-                         intrinsics=intrinsics[b * frames_per_block:(b + 1) * frames_per_block])
-            for b in range(num_blocks)]
+    return trajectory_controls(plan_trajectory(poses, intrinsics, config, num_blocks))
+
+
+def describe_plan(plan: camera.TrajectoryPlan) -> str:
+    """What the video takes from the trajectory file, in words."""
+    total = plan.frames_used + plan.frames_dropped
+    return (f"trajectory: {plan.frames_used} of its {total} frames used for {len(plan.blocks)} blocks, "
+            f"{plan.frames_dropped} dropped")
 
 
 def write_rollout(outputs: Iterator, out_path: Path, config: ModelConfig, latents_out: Path | None = None) -> int:
@@ -78,12 +93,15 @@ def write_rollout(outputs: Iterator, out_path: Path, config: ModelConfig, latent
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lingbot_core.generate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--image", required=True)
-    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--image", help="start image (with --action-path: default the folder's image.jpg)")
+    parser.add_argument("--prompt", help="prompt text (with --action-path: default the folder's prompt.txt)")
     parser.add_argument("--events", help="JSONL action script, one event per block")
-    parser.add_argument("--poses", help="poses.npy [F,4,4] camera-to-world")
+    parser.add_argument("--poses", help="poses.npy [F,4,4] camera-to-world, one per video frame")
     parser.add_argument("--intrinsics", help="intrinsics.npy [F,4] in 832x480 reference pixels")
-    parser.add_argument("--blocks", type=int, help="with --poses: number of blocks (default: from the trajectory)")
+    parser.add_argument("--action-path", help="an official LingBot-World example folder: poses.npy, intrinsics.npy, "
+                                              "image.jpg, prompt.txt (as the official command's --action_path)")
+    parser.add_argument("--blocks", type=int, help="with a trajectory: number of blocks, using its first 12N-3 frames "
+                                                   "(default: the whole blocks it covers)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default="embedded", help="embedded, a local diffusers folder, or a Hub id")
     parser.add_argument("--allow-download", action="store_true", help="fetch a Hub id with huggingface_hub")
@@ -102,15 +120,27 @@ def main(argv: list[str] | None = None) -> int:
     from .pipeline import load_pipeline  # heavy imports after argument errors
     from .startup import StartupLog
 
-    if (args.events is None) == (args.poses is None):
-        parser.error("give exactly one of --events or --poses/--intrinsics")
+    if (args.events is not None) + (args.poses is not None) + (args.action_path is not None) != 1:
+        parser.error("give exactly one of --events, --poses/--intrinsics or --action-path")
     if (args.poses is None) != (args.intrinsics is None):
         parser.error("--poses and --intrinsics go together")
-    if args.blocks is not None and (args.poses is None or args.blocks < 1):
-        parser.error("--blocks needs --poses and must be at least 1 (an events file sets one block per event)")
+    if args.blocks is not None and (args.events is not None or args.blocks < 1):
+        parser.error("--blocks needs --poses or --action-path and must be at least 1 (an events file sets one "
+                     "block per event)")
+    if args.action_path is None and (args.image is None or args.prompt is None):
+        parser.error("--image and --prompt are required (an --action-path folder can supply them)")
     try:
+        image_path, prompt, poses_path, intrinsics_path = args.image, args.prompt, args.poses, args.intrinsics
+        if args.action_path is not None:
+            folder = read_example_folder(args.action_path)
+            poses_path, intrinsics_path = folder.poses, folder.intrinsics
+            image_path = image_path if image_path is not None else folder.image
+            prompt = prompt if prompt is not None else folder.prompt
+            if image_path is None or prompt is None:
+                raise ValueError(f"{args.action_path} has no " + ("image.jpg" if image_path is None else "prompt.txt")
+                                 + "; give " + ("--image" if image_path is None else "--prompt"))
         # The image is checked before the model loads and before the output file is created.
-        image = load_image(args.image)
+        image = load_image(image_path)
         log = StartupLog()
         log.note(f"starting: torch {torch.__version__}, {torch.get_num_threads()} threads, "
                  f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
@@ -121,15 +151,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.events is not None:
             controls = controls_from_events(read_events_file(args.events, frames_per_block), frames_per_block)
         else:
-            poses_path, intrinsics_path = Path(args.poses).absolute(), Path(args.intrinsics).absolute()
+            poses_path, intrinsics_path = Path(poses_path).absolute(), Path(intrinsics_path).absolute()
             # The files are trusted where the user pointed: their common folder is the root they must stay under.
             root = Path(os.path.commonpath([str(poses_path.parent), str(intrinsics_path.parent)]))
-            poses, intrinsics = camera.load_trajectory(poses_path, intrinsics_path, trusted_root=root)
-            controls = controls_from_trajectory(poses, intrinsics, pipe.config, args.blocks)
+            poses, intrinsics = camera.load_trajectory(poses_path, intrinsics_path, trusted_root=root,
+                                                       cfg=pipe.config.camera)
+            plan = plan_trajectory(poses, intrinsics, pipe.config, args.blocks)
+            print(describe_plan(plan))
+            controls = trajectory_controls(plan)
             start_camera = camera.CameraState(poses[0])
         if not controls:
             parser.error("the events file holds no events")
-        blocks = write_rollout(pipe.rollout(image, args.prompt, args.seed, controls, start_camera=start_camera),
+        blocks = write_rollout(pipe.rollout(image, prompt, args.seed, controls, start_camera=start_camera),
                                Path(args.out), pipe.config, Path(args.latents_out) if args.latents_out else None)
     except ValueError as exc:  # every input error is a ValueError subclass with a readable message
         print(f"error: {exc}", file=sys.stderr)
