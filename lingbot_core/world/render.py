@@ -1,0 +1,547 @@
+"""Ray casting and shading of a `World`: pixels for any camera pose and pinhole intrinsics.
+
+One ray per pixel (or per sub-pixel with `supersample`), cast from the camera centre through the
+pixel centre with the camera module's conventions: pose = camera-to-world 4x4 (OpenCV, +y down),
+intrinsics (fx, fy, cx, cy) in pixels of the rendered frame, ray direction R @ ((x+0.5-cx)/fx,
+(y+0.5-cy)/fy, 1) -- the same rays `plucker_block` describes to the model.
+
+Per frame, in float32 torch, all rays at once:
+1. cull: objects whose bounding sphere (grown by the reach of its shadow) is beyond the fog
+   cut-off (`World.fog_distance`, where at most 2% of a surface still shows) or outside the view
+   cone are dropped;
+2. primary hits: the nearest front-facing hit over the ground plane and every primitive, each
+   solved analytically; a ray is only paired with the primitives whose projected bounding sphere
+   covers its 8x8-pixel tile, so the cost follows the pixels objects cover, not rays x objects;
+3. shading: albedo x (ambient sky light + sun light x Lambert x shadow), where the shadow is a
+   second cast towards the sun (binned the same way, in the plane across the sun); textures
+   (ground, specks, foliage, windows) are value noise looked up in the world's table, each octave
+   faded out where it would be finer than two pixels (so low resolutions do not shimmer);
+4. fog towards the horizon colour with distance; sky gradient, sun disc and halo, and a cloud layer
+   where nothing is hit.
+
+A camera inside an object sees out of it (only front faces are hit). Output colours are in [0, 1].
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from lingbot_core.model.camera import validate_trajectory
+from lingbot_core.world.scene import Primitives, World, objects_near
+
+_NEAR = 1e-3  # hits closer than this along the ray are ignored (self-intersection of shadow rays)
+_SHADOW_BIAS = 2e-3  # shadow rays start this far off the surface, along its normal
+_SKY_ID, _GROUND_ID = -1, 0
+_CLOUD_HEIGHT = 12.0  # world units above the camera's start height
+_WINDOW_BAND = (0.17, 0.33)  # window sills and lintels, in units above the ground
+
+
+class Buffers(NamedTuple):
+    rgb: torch.Tensor  # [F, 3, H, W] float32 in [0, 1]
+    depth: torch.Tensor  # [F, H, W] float32 distance along the (unit) ray; inf for the sky
+    object_id: torch.Tensor  # [F, H, W] int64: -1 sky, 0 ground, >= 1 the object's stable id
+
+
+def render(world: World, poses: np.ndarray, intrinsics: np.ndarray, width: int, height: int,
+           supersample: int = 2) -> torch.Tensor:
+    """Colour frames [F, 3, height, width] in [0, 1], averaging supersample x supersample rays a pixel.
+
+    poses [F, 4, 4] camera-to-world; intrinsics [F, 4] or [4]: (fx, fy, cx, cy) in pixels of a
+    width x height frame.
+    """
+    if isinstance(supersample, bool) or not isinstance(supersample, int) or supersample < 1:
+        raise ValueError(f"supersample must be a positive integer; got {supersample!r}")
+    poses, intrinsics = _check(poses, intrinsics, width, height)
+    scaled = intrinsics * supersample  # (x+0.5)/s sub-pixel centres average to the pixel centre
+    rgb = render_buffers(world, poses, scaled, width * supersample, height * supersample).rgb
+    return F.avg_pool2d(rgb, supersample) if supersample > 1 else rgb
+
+
+def render_buffers(world: World, poses: np.ndarray, intrinsics: np.ndarray, width: int,
+                   height: int) -> Buffers:
+    """One ray per pixel: colour, depth and object id (no supersampling: ids and depths do not average)."""
+    poses, intrinsics = _check(poses, intrinsics, width, height)
+    reach = world.fog_distance
+    # Every object a frame could show, or whose shadow it could show, in one draw for the clip.
+    tallest = 2.0 * world.config.eye_height + 2.5  # generous: no object kind is taller than this
+    prims = objects_near(world, poses[:, [0, 2], 3], reach + tallest * (1.0 + world.sun_slope))
+    frames = [_render_frame(world, prims, pose, k, width, height) for pose, k in zip(poses, intrinsics)]
+    return Buffers(*(torch.stack(parts) for parts in zip(*frames)))
+
+
+def to_uint8(rgb: torch.Tensor) -> np.ndarray:
+    """[F, 3, H, W] in [0, 1] -> [F, H, W, 3] uint8, rounded."""
+    return (rgb.clamp(0, 1) * 255 + 0.5).to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
+
+
+def _check(poses, intrinsics, width: int, height: int) -> tuple[np.ndarray, np.ndarray]:
+    for name, value in (("width", width), ("height", height)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive integer; got {value!r}")
+    poses = np.asarray(poses, dtype=np.float64)
+    intrinsics = np.asarray(intrinsics, dtype=np.float64)
+    if poses.ndim == 2:
+        poses = poses[None]
+    if intrinsics.ndim == 1 and poses.ndim == 3:
+        intrinsics = np.broadcast_to(intrinsics, (len(poses), *intrinsics.shape))
+    return validate_trajectory(poses, intrinsics)
+
+
+# ----------------------------------------------------------------------------------------------
+# One frame
+
+
+def _render_frame(world: World, prims: Primitives, pose: np.ndarray, k: np.ndarray, width: int,
+                  height: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fx, fy, cx, cy = (float(v) for v in k)
+    cam = _Camera(torch.from_numpy(pose[:3, :3].astype(np.float32)), torch.from_numpy(pose[:3, 3].astype(np.float32)),
+                  fx, fy, cx, cy, width, height)
+    xs = (torch.arange(width, dtype=torch.float32) + 0.5 - cx) / fx
+    ys = (torch.arange(height, dtype=torch.float32) + 0.5 - cy) / fy
+    camera_rays = torch.stack([xs[None, :].expand(height, width), ys[:, None].expand(height, width),
+                               torch.ones(height, width)], dim=-1).reshape(-1, 3)
+    dirs = F.normalize(F.normalize(camera_rays, dim=-1) @ cam.rotation.T, dim=-1)  # [R, 3]
+    tile = (torch.arange(height) // _TILE)[:, None] * (-(-width // _TILE)) + (torch.arange(width) // _TILE)[None, :]
+
+    visible = _cull(world, prims, pose, (fx, fy, cx, cy), width, height)
+    t, kind_of, row_of, plane_of = _cast(prims, visible, cam.origin[None], dirs,
+                                         lambda c, r: _screen_pairs(cam, c, r, tile.reshape(-1)),
+                                         world.config.eye_height)
+    point = cam.origin + t[:, None] * dirs
+    normal, albedo, object_id = _surface(prims, kind_of, row_of, plane_of, point, t, dirs)
+    rgb = _shade(world, prims, visible, cam.origin, dirs, t, normal, albedo, object_id, math.sqrt(fx * fy))
+    depth = torch.where(object_id == _SKY_ID, torch.full_like(t, math.inf), t)
+    return (rgb.T.reshape(3, height, width), depth.reshape(height, width), object_id.reshape(height, width))
+
+
+def _cull(world: World, prims: Primitives, pose: np.ndarray, k, width: int, height: int) -> dict[str, torch.Tensor]:
+    """Per primitive kind, the rows of the objects this frame can show or see the shadow of."""
+    fx, fy, cx, cy = k
+    # Half-angle of a cone around the optical axis that holds the whole frustum.
+    corner = max(math.hypot(max(cx, width - cx) / fx, max(cy, height - cy) / fy), 1e-6)
+    half_angle = math.atan(corner)
+    centre = prims.bound_centre.double().numpy()
+    radius = (prims.bound_radius + prims.bound_height * world.sun_slope).double().numpy()
+    offset = centre - pose[:3, 3]
+    distance = np.linalg.norm(offset, axis=-1)
+    forward = pose[:3, 2] / np.linalg.norm(pose[:3, 2])
+    cos_angle = offset @ forward / np.maximum(distance, 1e-9)
+    angle = np.arccos(np.clip(cos_angle, -1.0, 1.0))
+    slack = np.arcsin(np.clip(radius / np.maximum(distance, 1e-9), 0.0, 1.0))
+    keep = (distance - radius < world.fog_distance) & ((distance <= radius) | (angle <= half_angle + slack))
+    ids = prims.bound_id[torch.from_numpy(keep)]
+    return {kind: torch.isin(getattr(prims, f"{kind}_id"), ids).nonzero().squeeze(1) for kind in KINDS}
+
+
+# ----------------------------------------------------------------------------------------------
+# Intersections. Testing every ray against every primitive costs rays x primitives; instead each
+# primitive's bounding sphere is binned (screen tiles for camera rays, cells of the plane across the
+# sun for shadow rays) and a ray is tested only against the primitives of its bin. The per-pair
+# solvers below take gathered origins o [N, 3], unit directions d [N, 3] and primitive rows [N], and
+# return t [N] (inf where missed; front faces only).
+
+KINDS = ("ellipsoid", "cylinder", "cone", "polytope")
+
+
+def _roots(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Roots (-b -+ sqrt(b^2 - a c)) / a of a t^2 + 2 b t + c (nan where none; order swaps if a < 0)."""
+    root = torch.sqrt(b * b - a * c)  # nan where the discriminant is negative
+    return (-b - root) / a, (-b + root) / a
+
+
+def _valid(t: torch.Tensor) -> torch.Tensor:
+    return torch.where(t > _NEAR, t, math.inf)  # nan compares False: misses become inf too
+
+
+def _pack(prims: Primitives, kind: str, rows: torch.Tensor) -> torch.Tensor:
+    """The given primitives' parameters as one [M, K] matrix, so a pair needs a single gather.
+
+    ellipsoid: centre xyz, radii xyz. cylinder: centre x z, y_top, y_bottom, radius.
+    cone: apex xyz, height, radius. polytope: its planes, flattened (P x (nx, ny, nz, w)).
+    """
+    if kind == "ellipsoid":
+        parts = [prims.ellipsoid_centre, prims.ellipsoid_radii]
+    elif kind == "cylinder":
+        parts = [prims.cylinder_centre_xz, prims.cylinder_y_top[:, None], prims.cylinder_y_bottom[:, None],
+                 prims.cylinder_radius[:, None]]
+    elif kind == "cone":
+        parts = [prims.cone_apex, prims.cone_height[:, None], prims.cone_radius[:, None]]
+    else:
+        parts = [prims.polytope_planes.flatten(1)]
+    return torch.cat(parts, 1).index_select(0, rows)
+
+
+def _t_ellipsoid(q: torch.Tensor, o: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    r = q[:, 3:6]
+    oc = (o - q[:, 0:3]) / r  # in the frame where the ellipsoid is a unit sphere
+    dc = d / r
+    near, _ = _roots((dc * dc).sum(-1), (oc * dc).sum(-1), (oc * oc).sum(-1) - 1.0)
+    return _valid(near)
+
+
+def _t_cylinder(q: torch.Tensor, o: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    top, bottom, r = q[:, 2], q[:, 3], q[:, 4]
+    ox, oz = o[:, 0] - q[:, 0], o[:, 2] - q[:, 1]
+    dx, dy, dz = d.unbind(-1)
+    side, _ = _roots(dx * dx + dz * dz, ox * dx + oz * dz, ox * ox + oz * oz - r * r)
+    y = o[:, 1] + side * dy
+    side = torch.where((y >= top) & (y <= bottom), side, math.nan)
+    cap = (top - o[:, 1]) / dy  # the top disc, seen from above
+    px, pz = ox + cap * dx, oz + cap * dz
+    cap = torch.where((px * px + pz * pz <= r * r) & (dy > 0), cap, math.nan)
+    return torch.minimum(_valid(side), _valid(cap))
+
+
+def _t_cone(q: torch.Tensor, o: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    h, r = q[:, 3], q[:, 4]
+    rel = o - q[:, 0:3]
+    k2 = (r / h) ** 2  # the radius grows by r/h per unit below the apex (y down)
+    dx, dy, dz = d.unbind(-1)
+    ox, oy, oz = rel.unbind(-1)
+    t1, t2 = _roots(dx * dx + dz * dz - k2 * dy * dy, ox * dx + oz * dz - k2 * oy * dy, ox * ox + oz * oz - k2 * oy * oy)
+    best = torch.full_like(h, math.inf)
+    for t in (t1, t2):  # either root may be the near one, or lie on the mirrored cone above the apex
+        y = oy + t * dy
+        best = torch.minimum(best, _valid(torch.where((y >= 0) & (y <= h), t, math.nan)))
+    base = (h - oy) / dy  # the base disc, seen from below
+    px, pz = ox + base * dx, oz + base * dz
+    base = torch.where((px * px + pz * pz <= r * r) & (dy < 0), base, math.nan)
+    return torch.minimum(best, _valid(base))
+
+
+def _t_polytope(q: torch.Tensor, o: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [N] and the index of the plane the ray enters through [N]."""
+    planes = q.reshape(len(q), -1, 4)  # [N, P, 4]
+    denom = (planes[..., :3] * d[:, None]).sum(-1)
+    num = planes[..., 3] - (planes[..., :3] * o[:, None]).sum(-1)
+    t = num / denom
+    t_near, plane = torch.where(denom < 0, t, -math.inf).max(-1)
+    t_far = torch.where(denom > 0, t, math.inf).min(-1).values
+    outside = ((denom == 0) & (num < 0)).any(-1)  # parallel to a face and outside it
+    return _valid(torch.where((t_near <= t_far) & ~outside, t_near, math.nan)), plane
+
+
+_SOLVERS = {"ellipsoid": _t_ellipsoid, "cylinder": _t_cylinder, "cone": _t_cone}
+
+
+def _bounds(kind: str, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bounding spheres (centre [M, 3], radius [M]) of packed primitives (see `_pack`)."""
+    if kind == "ellipsoid":
+        return q[:, 0:3], q[:, 3:6].amax(-1)
+    if kind == "cylinder":
+        top, bottom = q[:, 2], q[:, 3]
+        centre = torch.stack([q[:, 0], (top + bottom) / 2, q[:, 1]], -1)
+        return centre, torch.hypot(q[:, 4], (bottom - top) / 2)
+    if kind == "cone":
+        h = q[:, 3]
+        centre = q[:, 0:3] + torch.stack([torch.zeros_like(h), h / 2, torch.zeros_like(h)], -1)
+        return centre, torch.hypot(q[:, 4], h / 2)
+    raise ValueError("polytope bounds come from Primitives.polytope_bound")
+
+
+def _join(ray_keys: torch.Tensor, prim_keys: torch.Tensor, prim_rows: torch.Tensor, num_keys: int):
+    """All (ray, primitive row) pairs that share a bin key in [0, num_keys): (ray index [N], row [N])."""
+    order = torch.argsort(prim_keys, stable=True)
+    rows = prim_rows[order]
+    per_key = torch.bincount(prim_keys, minlength=num_keys)
+    start = torch.cumsum(per_key, 0) - per_key
+    counts = per_key[ray_keys]
+    ray_index = torch.repeat_interleave(torch.arange(len(ray_keys)), counts)
+    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    within = torch.arange(len(ray_index)) - first
+    return ray_index, rows[start[ray_keys][ray_index] + within]
+
+
+def _boxes_to_keys(x0: torch.Tensor, x1: torch.Tensor, y0: torch.Tensor, y1: torch.Tensor, columns: int):
+    """Expand inclusive integer boxes [M] into (box index [K], key = y * columns + x [K])."""
+    widths, heights = (x1 - x0 + 1).clamp(min=0), (y1 - y0 + 1).clamp(min=0)
+    counts = widths * heights
+    box = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    offset = torch.arange(len(box)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    xs = x0[box] + offset % widths[box]
+    ys = y0[box] + torch.div(offset, widths[box], rounding_mode="floor")
+    return box, ys * columns + xs
+
+
+class _Camera(NamedTuple):
+    rotation: torch.Tensor  # [3, 3] camera-to-world
+    origin: torch.Tensor  # [3]
+    fx: float
+    fy: float
+    cx: float
+    cy: float
+    width: int
+    height: int
+
+
+_TILE = 8  # pixels per side of a screen bin
+
+
+def _screen_pairs(cam: _Camera, centre: torch.Tensor, radius: torch.Tensor, pixel_keys: torch.Tensor):
+    """(ray, primitive) pairs whose ray passes the tile holding the primitive's projected bounding sphere."""
+    local = (centre - cam.origin) @ cam.rotation  # world -> camera frame (R is orthonormal)
+    x, y, z = local.unbind(-1)
+    tiles_x = -(-cam.width // _TILE)
+    tiles_y = -(-cam.height // _TILE)
+    ahead = z - radius > 1e-2
+    # Exact extent of a sphere's projection along one image axis: tangents from the centre of
+    # projection to the circle the sphere projects to in that axis's plane (valid when z > radius).
+    def extent(lateral: torch.Tensor, focal: float, principal: float):
+        dist = torch.sqrt(lateral * lateral + z * z)
+        theta = torch.atan2(lateral, z)
+        alpha = torch.asin((radius / dist.clamp(min=1e-9)).clamp(max=1.0))
+        low = focal * torch.tan((theta - alpha).clamp(-1.5, 1.5)) + principal
+        high = focal * torch.tan((theta + alpha).clamp(-1.5, 1.5)) + principal
+        return low, high
+    lx, hx = extent(x, cam.fx, cam.cx)
+    ly, hy = extent(y, cam.fy, cam.cy)
+    # Pixel p is hit only if its centre p + 0.5 lies in [low, high]; one pixel of margin for rounding.
+    x0 = torch.where(ahead, torch.floor(lx - 1.5), torch.tensor(0.0))
+    x1 = torch.where(ahead, torch.ceil(hx + 0.5), torch.tensor(float(cam.width)))
+    y0 = torch.where(ahead, torch.floor(ly - 1.5), torch.tensor(0.0))
+    y1 = torch.where(ahead, torch.ceil(hy + 0.5), torch.tensor(float(cam.height)))
+    behind = z + radius < 0  # wholly behind the camera: no pixel
+    x0 = torch.div(x0.clamp(0, cam.width - 1).long(), _TILE, rounding_mode="floor")
+    x1 = torch.div(x1.clamp(0, cam.width - 1).long(), _TILE, rounding_mode="floor")
+    y0 = torch.div(y0.clamp(0, cam.height - 1).long(), _TILE, rounding_mode="floor")
+    y1 = torch.where(behind, -1, torch.div(y1.clamp(0, cam.height - 1).long(), _TILE, rounding_mode="floor"))
+    off_screen = (lx > cam.width) | (hx < 0) | (ly > cam.height) | (hy < 0)
+    y1 = torch.where(ahead & off_screen, -1, y1)
+    box, keys = _boxes_to_keys(x0, x1, y0, y1, tiles_x)
+    return _join(pixel_keys, keys, box, tiles_x * tiles_y)
+
+
+_SHADOW_CELL = 0.25  # world units per side of a bin in the plane across the sun
+
+
+def _sun_pairs(sun: torch.Tensor, points: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor):
+    """(ray, primitive) pairs for shadow rays from `points` towards `sun` (an orthographic projection)."""
+    helper = torch.tensor([1.0, 0.0, 0.0]) if abs(float(sun[0])) < 0.9 else torch.tensor([0.0, 0.0, 1.0])
+    e1 = F.normalize(torch.linalg.cross(sun, helper), dim=0)
+    e2 = torch.linalg.cross(sun, e1)
+    basis = torch.stack([e1, e2], -1)  # [3, 2]
+    p_uv = torch.floor(points @ basis / _SHADOW_CELL).long()
+    c_uv = centre @ basis / _SHADOW_CELL
+    r = radius / _SHADOW_CELL
+    # Bins span the points' extent only; primitive boxes are clipped to it (beyond, no ray to block).
+    first, last = p_uv.amin(0), p_uv.amax(0)
+    columns, rows = int(last[0] - first[0]) + 1, int(last[1] - first[1]) + 1
+    low = torch.floor(c_uv - r[:, None]).long() - first
+    high = torch.floor(c_uv + r[:, None]).long() - first
+    box, keys = _boxes_to_keys(low[:, 0].clamp(min=0), high[:, 0].clamp(max=columns - 1),
+                               low[:, 1].clamp(min=0), high[:, 1].clamp(max=rows - 1), columns)
+    ray_keys = (p_uv[:, 1] - first[1]) * columns + (p_uv[:, 0] - first[0])
+    return _join(ray_keys, keys, box, columns * rows)
+
+
+def _cast(prims: Primitives, visible: dict[str, torch.Tensor], o: torch.Tensor, d: torch.Tensor,
+          pairs_for, ground_y: float | None):
+    """Nearest hit per ray over the ground plane (unless None) and the visible primitives.
+
+    `pairs_for(centre, radius)` bins the rays against bounding spheres. Returns t [R] and, per ray,
+    the winning (kind index, primitive row, polytope plane), kind -1 for the ground or nothing.
+    """
+    rays = d.shape[0]
+    best = torch.full((rays,), math.inf) if ground_y is None else _valid((ground_y - o[:, 1]) / d[:, 1])
+    candidates = []
+    for kind_index, kind in enumerate(KINDS):
+        rows = visible[kind]
+        if rows.numel() == 0:
+            continue
+        packed = _pack(prims, kind, rows)
+        if kind == "polytope":
+            bound = prims.polytope_bound.index_select(0, rows)
+            centre, radius = bound[:, :3], bound[:, 3]
+        else:
+            centre, radius = _bounds(kind, packed)
+        ray_index, box = pairs_for(centre, radius)
+        if ray_index.numel() == 0:
+            continue
+        q = packed.index_select(0, box)
+        origin = o if o.shape[0] == 1 else o.index_select(0, ray_index)
+        direction = d.index_select(0, ray_index)
+        if kind == "polytope":
+            t, plane = _t_polytope(q, origin, direction)
+        else:
+            t, plane = _SOLVERS[kind](q, origin, direction), None
+        best = best.scatter_reduce(0, ray_index, t, reduce="amin")
+        candidates.append((kind_index, ray_index, rows.index_select(0, box), t, plane))
+    kind_of = torch.full((rays,), -1, dtype=torch.int64)
+    row_of = torch.zeros(rays, dtype=torch.int64)
+    plane_of = torch.zeros(rays, dtype=torch.int64)
+    # The winner of each ray: a pair whose t equals the best (exact ties between two primitives are
+    # resolved by the later write, in a fixed order).
+    for kind_index, ray_index, prim_rows, t, plane in candidates:
+        wins = ((t == best.index_select(0, ray_index)) & torch.isfinite(t)).nonzero().squeeze(1)
+        winners = ray_index.index_select(0, wins)
+        kind_of.index_fill_(0, winners, kind_index)
+        row_of.index_copy_(0, winners, prim_rows.index_select(0, wins))
+        if plane is not None:
+            plane_of.index_copy_(0, winners, plane.index_select(0, wins))
+    return best, kind_of, row_of, plane_of
+
+
+def _surface(prims: Primitives, kind_of, row_of, plane_of, point: torch.Tensor, t: torch.Tensor,
+             d: torch.Tensor):
+    """Normal facing the ray [R, 3], albedo [R, 3] and object id [R] at each primary hit."""
+    object_id = torch.where(torch.isfinite(t), _GROUND_ID, _SKY_ID).to(torch.int64)
+    normal = torch.tensor([0.0, -1.0, 0.0]).repeat(len(d), 1)
+    albedo = torch.zeros_like(d)
+    for kind_index, kind in enumerate(KINDS):
+        mine = (kind_of == kind_index).nonzero().squeeze(1)
+        if mine.numel() == 0:
+            continue
+        rows = row_of.index_select(0, mine)
+        q = _pack(prims, kind, rows)
+        p = point.index_select(0, mine)
+        slack = 1e-3 * (1 + t.index_select(0, mine))  # how close to a cap plane counts as on it
+        if kind == "ellipsoid":
+            n = (p - q[:, 0:3]) / (q[:, 3:6] * q[:, 3:6])
+        elif kind == "cylinder":
+            radial = torch.stack([p[:, 0] - q[:, 0], torch.zeros_like(p[:, 0]), p[:, 2] - q[:, 1]], -1)
+            on_cap = (p[:, 1] - q[:, 2]).abs() < slack
+            n = torch.where(on_cap[:, None], torch.tensor([0.0, -1.0, 0.0]), radial)
+        elif kind == "cone":
+            h, r = q[:, 3], q[:, 4]
+            rel = p - q[:, 0:3]
+            n = torch.stack([rel[:, 0], -(r / h) ** 2 * rel[:, 1], rel[:, 2]], -1)
+            n = torch.where(((rel[:, 1] - h).abs() < slack)[:, None], torch.tensor([0.0, 1.0, 0.0]), n)
+        else:
+            planes = q.reshape(len(q), -1, 4)
+            n = planes[torch.arange(len(q)), plane_of.index_select(0, mine), :3]
+        normal.index_copy_(0, mine, F.normalize(n, dim=-1))
+        albedo.index_copy_(0, mine, getattr(prims, f"{kind}_albedo").index_select(0, rows))
+        object_id.index_copy_(0, mine, getattr(prims, f"{kind}_id").index_select(0, rows))
+    facing = (normal * d).sum(-1, keepdim=True) > 0
+    return torch.where(facing, -normal, normal), albedo, object_id
+
+
+# ----------------------------------------------------------------------------------------------
+# Textures and shading
+
+
+def _value_noise(table: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Smooth value noise in [0, 1] at lattice coordinates (u, v); the table tiles the plane.
+
+    Bilinear lookup at coordinates whose fractional parts went through smoothstep: that is exactly
+    smoothstep interpolation between lattice values, done by grid_sample's optimised kernel.
+    `table` is the world's noise table padded with its first row and column (see `_padded`).
+    """
+    size = table.shape[0] - 1
+
+    def warp(x: torch.Tensor) -> torch.Tensor:
+        x = torch.remainder(x, size)
+        f = torch.frac(x)
+        return x - f + f * f * (3 - 2 * f)
+
+    grid = torch.stack([warp(v), warp(u)], -1) * (2.0 / size) - 1.0  # grid_sample's x indexes columns
+    return F.grid_sample(table[None, None], grid[None, None], mode="bilinear", align_corners=True)[0, 0, 0]
+
+
+def _padded(noise: torch.Tensor) -> torch.Tensor:
+    """The noise table with its first row and column repeated at the end, so lookups wrap."""
+    padded = torch.cat([noise, noise[:1]], 0)
+    return torch.cat([padded, padded[:, :1]], 1)
+
+
+def _lod(cell: float, footprint: torch.Tensor) -> torch.Tensor:
+    """1 where lattice cells span >= 4 pixels, 0 at <= 2 pixels: octaves finer than that would alias."""
+    return (cell / (2.0 * footprint) - 1.0).clamp(0.0, 1.0)
+
+
+def _octaves(table, u, v, footprint, octaves) -> torch.Tensor:
+    """Sum of (noise - 0.5) * amplitude over (cell, amplitude, offset) octaves, each LOD-faded."""
+    total = torch.zeros_like(u)
+    for cell, amplitude, offset in octaves:
+        fade = _lod(cell, footprint)
+        if bool((fade > 0).any()):
+            total = total + amplitude * fade * (_value_noise(table, u / cell + offset, v / cell + 2 * offset) - 0.5)
+    return total
+
+
+def _smoothstep(lo: float, hi: float, x: torch.Tensor) -> torch.Tensor:
+    x = ((x - lo) / (hi - lo)).clamp(0, 1)
+    return x * x * (3 - 2 * x)
+
+
+def _shade(world: World, prims: Primitives, visible: dict[str, torch.Tensor], origin: torch.Tensor, d: torch.Tensor,
+           t: torch.Tensor, normal: torch.Tensor, albedo: torch.Tensor, object_id: torch.Tensor,
+           focal: float) -> torch.Tensor:
+    style, cfg = world.style, world.config
+    table = _padded(world.noise)
+    sun = torch.tensor(style.sun_direction, dtype=torch.float32)
+    horizon = torch.tensor(style.sky_horizon)
+    zenith = torch.tensor(style.sky_zenith)
+    sky_rows = (object_id == _SKY_ID).nonzero().squeeze(1)
+    surface_rows = (object_id != _SKY_ID).nonzero().squeeze(1)
+    rgb = torch.empty(d.shape[0], 3)
+
+    # Sky: gradient by elevation (up is -y), sun disc and halo, clouds on a plane above.
+    sd = d[sky_rows]
+    elevation = (-sd[:, 1]).clamp(min=0.0)
+    sky = torch.lerp(horizon, zenith, elevation.pow(0.6)[:, None])
+    cos_sun = sd @ sun
+    sky = sky + torch.tensor(style.sun_colour) * (0.3 * torch.exp((cos_sun - 1.0) * 25.0)
+                                                  + _smoothstep(0.9985, 0.9992, cos_sun))[:, None]
+    lift = (_CLOUD_HEIGHT / elevation.clamp(min=0.05))[:, None]
+    cloud_xz = origin[[0, 2]] + sd[:, [0, 2]] * lift
+    puffs = (_value_noise(table, cloud_xz[:, 0] / 5.0 + 101.0, cloud_xz[:, 1] / 5.0 + 57.0) * 0.7
+             + _value_noise(table, cloud_xz[:, 0] / 1.8 + 13.0, cloud_xz[:, 1] / 1.8 + 71.0) * 0.3)
+    cover = _smoothstep(1.0 - style.cloud_cover, 1.15 - style.cloud_cover * 0.8, puffs)
+    cover = cover * _smoothstep(0.03, 0.2, elevation)  # thin out towards the horizon, where they would alias
+    rgb[sky_rows] = torch.lerp(sky, torch.tensor([0.95, 0.95, 0.97]) * (0.75 + 0.25 * elevation[:, None]),
+                               (0.85 * cover)[:, None])
+
+    # Surfaces: albedo with texture, then sun and sky light. Ground and object textures are both
+    # computed for every surface ray and chosen per ray (cheaper than splitting the rays again).
+    ts, ds, ids = t[surface_rows], d[surface_rows], object_id[surface_rows]
+    p = origin + ts[:, None] * ds
+    n = normal[surface_rows]
+    cos_view = (n * ds).sum(-1).abs().clamp(min=1e-3)
+    footprint = ts / (focal * cos_view.sqrt())  # world units a pixel covers there
+    x, y, z = p.unbind(-1)
+
+    patch = _smoothstep(0.35, 0.65, _value_noise(table, x / 2.5, z / 2.5))
+    ground = torch.lerp(torch.tensor(style.ground_a), torch.tensor(style.ground_b), patch[:, None])
+    ground = ground * (1.0 + _octaves(table, x, z, footprint,
+                                      ((0.7, 0.4, 17.3), (0.2, 0.6, 41.7), (0.06, 0.45, 73.1))))[:, None]
+    # Specks (pebbles, flowers): sharp light and dark points give strong motion cues near the camera.
+    speck_fade = _lod(0.08, footprint)
+    light = _smoothstep(0.70, 0.76, _value_noise(table, x / 0.08 + 7.7, z / 0.08 + 3.1)) * speck_fade
+    dark = _smoothstep(0.70, 0.76, _value_noise(table, x / 0.08 + 91.3, z / 0.08 + 37.9)) * speck_fade
+    ground = torch.lerp(ground, torch.tensor([0.92, 0.88, 0.75]), (0.7 * light)[:, None]) * (1.0 - 0.5 * dark)[:, None]
+    # Objects: mottling in a direction-free pair of coordinates (x + z, y): foliage, bark and stone grain.
+    mottle = _octaves(table, x + 0.6 * z, y, footprint, ((0.16, 0.35, 5.7), (0.05, 0.25, 29.3)))
+    thing = albedo[surface_rows] * (1.0 + mottle)[:, None]
+    # Windows: dark panes on the vertical walls of houses, in a band above the ground.
+    height_above = cfg.eye_height - y
+    along = torch.remainder((x * n[:, 2] - z * n[:, 0]) / 0.32, 1.0)  # coordinate along the wall
+    windows = ((n[:, 1].abs() < 0.05) & torch.isin(ids, prims.polytope_id)
+               & (height_above > _WINDOW_BAND[0]) & (height_above < _WINDOW_BAND[1])
+               & (along > 0.35) & (along < 0.75) & (_lod(0.1, footprint) > 0.5))
+    thing = torch.where(windows[:, None], torch.tensor([0.16, 0.2, 0.28]), thing)
+    base = torch.where((ids == _GROUND_ID)[:, None], ground, thing)
+
+    lambert = (n @ sun).clamp(min=0.0)
+    shadow = torch.ones_like(lambert)
+    # Shadows only where fog leaves something to see (this also bounds the shadow bins' extent).
+    lit = ((lambert > 0) & (ts < world.fog_distance)).nonzero().squeeze(1)
+    if lit.numel():
+        starts = p[lit] + _SHADOW_BIAS * n[lit]
+        blocked, _, _, _ = _cast(prims, visible, starts, sun.expand(len(lit), 3),
+                                 lambda c, r: _sun_pairs(sun, starts, c, r), ground_y=None)
+        shadow[lit] = torch.isinf(blocked).to(torch.float32)
+    sky_light = torch.lerp(horizon, zenith, 0.25 - 0.25 * n[:, 1:2].clamp(-1, 1))
+    light = (style.ambient * sky_light
+             + (1.0 - style.ambient) * 1.25 * (lambert * shadow)[:, None] * torch.tensor(style.sun_colour))
+    colour = base * light
+
+    # Fog towards the horizon colour.
+    fog = 1.0 - torch.exp(-style.fog_density * (ts - cfg.fog_start).clamp(min=0.0))
+    rgb[surface_rows] = torch.lerp(colour, horizon.expand_as(colour), fog[:, None])
+    return rgb.clamp(0.0, 1.0)

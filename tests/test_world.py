@@ -1,0 +1,213 @@
+"""The procedural world: its geometry against the camera module's maths, determinism, the seed split.
+
+Renders are small (at most 128x224 rays) and use one thread, so the whole file runs in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lingbot_core.config import PRESETS
+from lingbot_core.model import camera
+from lingbot_core.world import (HELD_OUT_SEEDS, TRAIN_SEEDS, World, WorldConfig, held_keys, key_path, make_world,
+                                objects_near, pixel_poses, render, render_buffers, seed_split)
+
+EMBEDDED = PRESETS["embedded"]
+FPB = EMBEDDED.transformer.num_frames_per_block
+SEED = HELD_OUT_SEEDS.start
+W, H = 160, 96
+K = np.array([100.0, 100.0, W / 2, H / 2])  # fx, fy, cx, cy in pixels of a 160x96 frame
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def empty_world(sun_direction=None) -> World:
+    """A world with no objects and, optionally, the sun placed by hand."""
+    world = make_world(SEED, WorldConfig(objects_per_cell=0.0, start_objects=0))
+    # For the sun: a dark clear sky, so the disc does not saturate against it.
+    style = world.style if sun_direction is None else dataclasses.replace(
+        world.style, sun_direction=tuple(sun_direction), cloud_cover=0.0, sky_zenith=(0.05, 0.05, 0.1),
+        sky_horizon=(0.1, 0.1, 0.15))
+    return dataclasses.replace(world, style=style)
+
+
+def sun_centroid(world: World, pose: np.ndarray) -> tuple[float, float]:
+    """Centroid (x, y) in pixels of the sun disc: where the render differs from one without a sun."""
+    dark = dataclasses.replace(world, style=dataclasses.replace(world.style, sun_colour=(0.0, 0.0, 0.0)))
+    lit = render_buffers(world, pose, K, W, H).rgb[0].sum(0)
+    unlit = render_buffers(dark, pose, K, W, H).rgb[0].sum(0)
+    disc = ((lit - unlit) > 1.5).double()  # the disc adds about the sun colour; the halo far less
+    assert disc.sum() > 10, "the sun disc is not in the frame"
+    ys, xs = torch.meshgrid(torch.arange(H) + 0.5, torch.arange(W) + 0.5, indexing="ij")
+    return float((disc * xs).sum() / disc.sum()), float((disc * ys).sum() / disc.sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# Geometry against the camera maths
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_yaw_moves_a_distant_point_by_f_tan_theta(steps):
+    # The sun is a point at infinity straight ahead (azimuth 0), 10 degrees up: turning right by
+    # theta with the integrator's own 'l' key must move it left by fx * tan(theta) pixels.
+    elevation = math.radians(10.0)
+    world = empty_world((0.0, -math.sin(elevation), math.cos(elevation)))
+    poses, _ = camera.integrate_actions(camera.CameraState.initial(), [["l"]] * steps, EMBEDDED.camera)
+    x0, y0 = sun_centroid(world, np.eye(4))
+    x1, y1 = sun_centroid(world, poses[-1])
+    theta = math.radians(EMBEDDED.camera.yaw_step_deg * steps)
+    assert x0 == pytest.approx(K[2], abs=0.05)
+    assert y0 == pytest.approx(K[3] - K[1] * math.tan(elevation), abs=0.3)
+    assert x0 - x1 == pytest.approx(K[0] * math.tan(theta), abs=0.3)
+
+
+def test_horizon_row_follows_pitch():
+    # With no objects, a ray hits the ground exactly when it points below the horizontal: at pitch a
+    # (the integrator's 'i' key) that is every pixel row whose centre lies below cy + fy * tan(a).
+    world = empty_world()
+    for steps in (0, 1, 3):
+        poses, _ = camera.integrate_actions(camera.CameraState.initial(), [["i"]] * steps or [[]], EMBEDDED.camera)
+        ids = render_buffers(world, poses[-1], K, W, H).object_id[0]
+        pitch = math.radians(EMBEDDED.camera.pitch_step_deg * steps)
+        rows = torch.arange(H) + 0.5
+        expected = torch.where(rows > K[3] + K[1] * math.tan(pitch), 0, -1)
+        assert torch.equal(ids, expected[:, None].expand(H, W))
+
+
+def test_walking_forward_makes_the_nearest_object_grow():
+    world = make_world(SEED)
+    path = key_path(held_keys(["", "w", "w"], FPB), EMBEDDED)
+    first, last = path.pixel_poses[0], path.pixel_poses[-1]
+    before = render_buffers(world, first, K, W, H)
+    after = render_buffers(world, last, K, W, H)
+    # The nearest object that lies wholly inside the first frame.
+    ids = before.object_id[0]
+    border = torch.cat([ids[0], ids[-1], ids[:, 0], ids[:, -1]]).unique()
+    candidates = [i for i in ids.unique().tolist() if i >= 1 and i not in border.tolist()]
+    assert candidates, "the start view shows no whole object"
+    nearest = min(candidates, key=lambda i: float(before.depth[0][ids == i].min()))
+    z_before = _z_depth(before, nearest, first)
+    z_after = _z_depth(after, nearest, last)
+    moved = np.linalg.norm(last[:3, 3] - first[:3, 3])
+    assert moved == pytest.approx(2 * FPB * EMBEDDED.camera.move_step)
+    # Straight ahead (no turn), the object's camera z shrinks by the distance walked ...
+    assert z_before - z_after == pytest.approx(moved, rel=0.1)
+    # ... and its image area grows as 1 / z^2.
+    area_before = int((ids == nearest).sum())
+    area_after = int((after.object_id[0] == nearest).sum())
+    assert area_after / area_before == pytest.approx((z_before / z_after) ** 2, rel=0.2)
+
+
+def _z_depth(buffers, object_id: int, pose: np.ndarray) -> float:
+    """Median camera-z of an object's pixels (depth along the unit ray times the ray's z component)."""
+    ys, xs = torch.nonzero(buffers.object_id[0] == object_id, as_tuple=True)
+    rays = torch.stack([(xs + 0.5 - K[2]) / K[0], (ys + 0.5 - K[3]) / K[1], torch.ones(len(xs))], -1).double()
+    cos = 1.0 / rays.norm(dim=-1)
+    return float((buffers.depth[0][ys, xs].double() * cos).median())
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolution and supersampling
+
+
+def test_supersampling_is_the_average_of_a_finer_render():
+    # render(s=2) must equal a 2x render with 2x intrinsics, 2x2 averaged: sub-pixel centres
+    # (x + 0.5) / 2 average to the pixel centre.
+    world = make_world(SEED)
+    coarse = render(world, np.eye(4), K / 2, W // 2, H // 2, supersample=2)
+    fine = render_buffers(world, np.eye(4), K, W, H).rgb  # K is in pixels of W x H: twice the coarse K
+    assert torch.allclose(coarse, F.avg_pool2d(fine, 2), atol=1e-6)
+
+
+def test_two_resolutions_agree_when_downsampled():
+    world = make_world(SEED)
+    pose = key_path(held_keys(["", "wl"], FPB), EMBEDDED).pixel_poses[-1]
+    low = render(world, pose, K / 2, W // 2, H // 2, supersample=2)
+    high = render(world, pose, K, W, H, supersample=2)
+    error = (F.avg_pool2d(high, 2) - low).abs()
+    psnr = -10 * math.log10(float((error ** 2).mean()))
+    assert float(error.mean()) < 0.02
+    assert psnr > 27
+
+
+# ---------------------------------------------------------------------------------------------
+# Determinism and the seed split
+
+
+def test_same_seed_same_world_and_pixels():
+    path = key_path(held_keys(["", "w"], FPB), EMBEDDED)
+    a = render(make_world(SEED), path.pixel_poses[::6], path.intrinsics, W, H, supersample=1)
+    b = render(make_world(SEED), path.pixel_poses[::6], path.intrinsics, W, H, supersample=1)
+    assert torch.equal(a, b)
+    c = render(make_world(SEED + 1), path.pixel_poses[::6], path.intrinsics, W, H, supersample=1)
+    assert float((a - c).abs().mean()) > 0.02
+
+
+def test_objects_do_not_depend_on_the_order_cells_are_drawn_in():
+    world = make_world(SEED)
+    near = objects_near(world, np.array([[0.0, 0.0]]), 3.0)
+    wide = objects_near(world, np.array([[0.0, 0.0], [40.0, -25.0]]), 3.0)
+    # Every object near the origin comes out identical when far cells are drawn too.
+    keep = torch.isin(wide.bound_id, near.bound_id)
+    assert torch.equal(wide.bound_centre[keep], near.bound_centre)
+    assert torch.equal(wide.bound_radius[keep], near.bound_radius)
+
+
+def test_seed_ranges_are_disjoint_and_checked():
+    assert TRAIN_SEEDS.stop <= HELD_OUT_SEEDS.start or HELD_OUT_SEEDS.stop <= TRAIN_SEEDS.start
+    assert len(TRAIN_SEEDS) > 0 and len(HELD_OUT_SEEDS) > 0
+    assert seed_split(TRAIN_SEEDS.start) == "train" and seed_split(TRAIN_SEEDS.stop - 1) == "train"
+    assert seed_split(HELD_OUT_SEEDS.start) == "held_out" and seed_split(HELD_OUT_SEEDS.stop - 1) == "held_out"
+    for bad in (-1, HELD_OUT_SEEDS.stop, 2**40):
+        with pytest.raises(ValueError, match="outside the train range"):
+            make_world(bad)
+    with pytest.raises(ValueError, match="integer"):
+        make_world(1.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Camera paths
+
+
+def test_key_path_is_the_integrators_path_spread_over_pixel_frames():
+    keys = held_keys(["", "w", "jw", "i"], FPB)
+    path = key_path(keys, EMBEDDED)
+    latent, _ = camera.integrate_actions(camera.CameraState.initial(), keys, EMBEDDED.camera)
+    assert np.array_equal(path.latent_poses, latent)
+    factor = EMBEDDED.vae_temporal_factor
+    assert len(path.pixel_poses) == EMBEDDED.pixel_frames_for_blocks(4)  # 12N - 3, as the decoder yields
+    assert np.array_equal(path.pixel_poses[::factor], latent)  # pixel frame 4k is latent pose k
+    # Between two latent poses, positions move linearly.
+    middle = path.pixel_poses[factor * 4 + 2, :3, 3]
+    assert np.allclose(middle, (latent[4, :3, 3] + latent[5, :3, 3]) / 2)
+    assert np.allclose(path.intrinsics, camera.intrinsics_for(EMBEDDED.camera, EMBEDDED.width, EMBEDDED.height))
+
+
+def test_pixel_poses_of_a_single_latent_frame():
+    assert np.array_equal(pixel_poses(np.eye(4)[None], 4), np.eye(4)[None])
+
+
+def test_bad_input_is_refused_with_a_message():
+    world = make_world(SEED)
+    with pytest.raises(camera.ActionError, match="unknown key"):
+        held_keys(["w", "x"], FPB)
+    with pytest.raises(ValueError, match="width must be a positive integer"):
+        render(world, np.eye(4), K, 0, H)
+    with pytest.raises(ValueError, match="supersample"):
+        render(world, np.eye(4), K, W, H, supersample=0)
+    with pytest.raises(camera.TrajectoryError, match="focal lengths must be positive"):
+        render(world, np.eye(4), np.array([0.0, 100.0, 80.0, 48.0]), W, H)
+    with pytest.raises(camera.TrajectoryError, match="non-finite"):
+        render(world, np.full((4, 4), np.nan), K, W, H)
