@@ -11,7 +11,8 @@ endpoints, usable from gradio_client (see examples/client.py):
     /stop(session_id)                    -> status
     /reset(session_id, image, prompt, seed) -> status
     /download(session_id)                -> (rollout MP4, replay JSON)
-    /generate(image, prompt, seed, script, script_file, poses, intrinsics) -> (MP4, message)
+    /generate(image, prompt, seed, script, script_file, poses, intrinsics, example_files) -> (MP4, message)
+                                         example_files: an official example folder's files, dropped together
 
 Environment: LINGBOT_MODEL (same as --model), GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (read by Gradio),
 LINGBOT_TEST_PRESET=tiny (tests only: a 32x64 model with random weights, for fast CPU checks).
@@ -36,7 +37,8 @@ from gradio.utils import get_upload_folder
 
 from lingbot_core.config import tiny_config
 from lingbot_core.events import EventError, read_events, read_events_file
-from lingbot_core.generate import controls_from_events, controls_from_trajectory, write_rollout
+from lingbot_core.example_folder import ExampleFolderError, example_from_files
+from lingbot_core.generate import controls_from_events, describe_plan, plan_trajectory, trajectory_controls, write_rollout
 from lingbot_core.image import load_image
 from lingbot_core.model import camera
 from lingbot_core.model.text import normalize_prompt
@@ -169,15 +171,28 @@ def create_engine(model: str | None = None, *, device: str | None = None, dtype:
 
 
 def generate_offline(pipeline, image, prompt, seed, script_text, script_file, poses_file, intrinsics_file,
-                     out_dir: Path, trusted_root: Path, max_blocks: int) -> tuple[str, str]:
-    """An action script (JSONL text or file) or a poses/intrinsics pair -> one MP4. Raises StreamError."""
+                     out_dir: Path, trusted_root: Path, max_blocks: int, example_files=None) -> tuple[str, str]:
+    """An action script (JSONL text or file), a poses/intrinsics pair, or an official example folder's files
+    dropped together -> one MP4. Raises StreamError.
+
+    A folder's image.jpg and prompt.txt replace the image and prompt fields (dropping the folder is the
+    later, explicit choice); a folder without them uses the fields. A trajectory longer than max_blocks
+    is cut to max_blocks, as upstream cuts a trajectory to the requested video; the message says so.
+    """
     config = pipeline.config
     frames_per_block = config.transformer.num_frames_per_block
     has_script = bool(script_file) or bool(script_text and script_text.strip())
     has_trajectory = bool(poses_file) or bool(intrinsics_file)
-    if has_script == has_trajectory:
-        raise StreamError("give an action script (text or .jsonl file) or a poses.npy + intrinsics.npy pair, not both")
+    if has_script + has_trajectory + bool(example_files) != 1:
+        raise StreamError("give one of: an action script (text or .jsonl file), a poses.npy + intrinsics.npy pair, "
+                          "or an example folder's files, not both")
+    note = ""
     try:
+        if example_files:
+            folder = example_from_files(example_files)
+            poses_file, intrinsics_file = folder.poses, folder.intrinsics
+            image = folder.image if folder.image is not None else image
+            prompt = folder.prompt if folder.prompt is not None else prompt
         if image is None:
             raise StreamError("upload a start image first")
         picture = load_image(image)
@@ -192,9 +207,13 @@ def generate_offline(pipeline, image, prompt, seed, script_text, script_file, po
                 raise StreamError("a trajectory needs both poses.npy and intrinsics.npy")
             poses, intrinsics = camera.load_trajectory(poses_file, intrinsics_file, trusted_root=trusted_root,
                                                        cfg=config.camera)
-            controls = controls_from_trajectory(poses, intrinsics, config)
+            plan = plan_trajectory(poses, intrinsics, config)
+            if len(plan.blocks) > max_blocks:  # the longest video this server makes is the requested length
+                plan = plan_trajectory(poses, intrinsics, config, max_blocks)
+            controls = trajectory_controls(plan)
+            note = f"; {describe_plan(plan)}"
             start_camera = camera.CameraState(poses[0])
-    except (EventError, ValueError) as exc:  # ImageError, PromptError, EventError, TrajectoryError
+    except (EventError, ExampleFolderError, ValueError) as exc:  # ImageError, PromptError, TrajectoryError
         raise StreamError(str(exc)) from None
     if not controls:
         raise StreamError("the action script holds no events")
@@ -205,7 +224,7 @@ def generate_offline(pipeline, image, prompt, seed, script_text, script_file, po
     blocks = write_rollout(pipeline.rollout(picture, text, check_seed(seed), controls, start_camera=start_camera),
                            out, config)
     frames = config.pixel_frames_for_blocks(blocks)
-    return str(out), f"{blocks} blocks, {frames} frames at {config.fps} FPS ({frames / config.fps:.2f} s)"
+    return str(out), f"{blocks} blocks, {frames} frames at {config.fps} FPS ({frames / config.fps:.2f} s){note}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,13 +345,15 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(), 
 
     # On ZeroGPU the decorated call runs in a forked GPU worker: only these small arguments cross over.
     @spaces.GPU(duration=300)
-    def generate_on_gpu(image, prompt, seed, script_text, script_file, poses_file, intrinsics_file):
+    def generate_on_gpu(image, prompt, seed, script_text, script_file, poses_file, intrinsics_file, example_files):
         return generate_offline(engine.pipeline, image, prompt, seed, script_text, script_file, poses_file,
-                                intrinsics_file, workdir / "offline", Path(get_upload_folder()), offline_max_blocks)
+                                intrinsics_file, workdir / "offline", Path(get_upload_folder()), offline_max_blocks,
+                                example_files)
 
-    def generate(image, prompt, seed, script_text, script_file, poses_file, intrinsics_file):
+    def generate(image, prompt, seed, script_text, script_file, poses_file, intrinsics_file, example_files=None):
         try:
-            return generate_on_gpu(image, prompt, seed, script_text, script_file, poses_file, intrinsics_file)
+            return generate_on_gpu(image, prompt, seed, script_text, script_file, poses_file, intrinsics_file,
+                                   example_files)
         except StreamError as exc:
             raise _user_error(exc) from None
 
@@ -395,6 +416,10 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(), 
                     with gr.Row():
                         poses = gr.File(label="…or poses.npy [F,4,4]", file_types=[".npy"])
                         intrinsics = gr.File(label="+ intrinsics.npy [F,4]", file_types=[".npy"])
+                    # The official repository's examples/00/ etc.: its image and prompt replace the fields above.
+                    example_files = gr.File(label="…or an official example folder: drop its files together "
+                                                  "(image.jpg, prompt.txt, poses.npy, intrinsics.npy)",
+                                            file_count="multiple", file_types=[".npy", ".jpg", ".jpeg", ".png", ".txt"])
                     generate_button = gr.Button("Generate", variant="primary")
                 with gr.Column():
                     off_video = gr.Video(label="Result", interactive=False)
@@ -412,7 +437,8 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(), 
         reset_button.click(reset, [session_box, image, prompt, seed], [telemetry], api_name="reset",
                            show_progress="hidden")
         download_button.click(download, [session_box], [mp4_file, replay_file], api_name="download")
-        generate_button.click(generate, [off_image, off_prompt, off_seed, script, script_file, poses, intrinsics],
+        generate_button.click(generate, [off_image, off_prompt, off_seed, script, script_file, poses, intrinsics,
+                                         example_files],
                               [off_video, off_message], api_name="generate", concurrency_limit=1)
         gr.api(act, api_name="act", concurrency_limit=1, concurrency_id="act")
         gr.api(stop, api_name="stop")
