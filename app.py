@@ -43,6 +43,7 @@ from lingbot_core.image import load_image
 from lingbot_core.model import camera
 from lingbot_core.model.text import normalize_prompt
 from lingbot_core.pipeline import load_pipeline
+from lingbot_core.allocator import keep_freed_memory
 from lingbot_core.precision import AUTO, DTYPE_CHOICES
 from lingbot_core.startup import StartupLog
 from lingbot_core.serving.engine import Engine, EngineConfig
@@ -485,7 +486,7 @@ def main(argv: list[str] | None = None) -> None:
 
     log = StartupLog()
     log.note(f"starting: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-             f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+             f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {keep_freed_memory()}")
     budget = int(args.memory_budget_gib * 2**30) if args.memory_budget_gib else None
     device = args.device or os.environ.get("LINGBOT_DEVICE") or default_device()
     max_sessions = args.max_sessions or (2 if device == "cpu" else None)

@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from .pipeline import load_pipeline  # heavy imports after argument errors
+    from .allocator import keep_freed_memory
     from .startup import StartupLog
 
     if (args.events is not None) + (args.poses is not None) + (args.action_path is not None) != 1:
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         image = load_image(image_path)
         log = StartupLog()
         log.note(f"starting: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-                 f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+                 f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {keep_freed_memory()}")
         pipe = load_pipeline(args.model, dtype=args.dtype, device=args.device, compile=args.compile,
                              allow_download=args.allow_download, height=args.height, width=args.width, log=log)
         frames_per_block = pipe.config.transformer.num_frames_per_block
