@@ -1,10 +1,13 @@
 """LingBot-World v2 serving core.
 
-Importing the package sets the C allocator to keep freed memory (lingbot_core/allocator.py): it must
-happen before the first large tensor, and every entry point (the app, the offline command, the examples,
-the benchmarks, the tests) imports this package first.
+Importing the package prepares the process before the first large tensor and the first compile, for every
+entry point (the app, the offline command, the examples, the benchmarks, the tests import it first):
+the C allocator keeps freed memory (lingbot_core/allocator.py) and torch.compile's kernels go to a cache
+that persists across runs (lingbot_core/compile_cache.py).
 """
 
 from .allocator import keep_freed_memory
+from .compile_cache import keep_compiled_kernels
 
 keep_freed_memory()
+keep_compiled_kernels()

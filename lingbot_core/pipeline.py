@@ -11,15 +11,17 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from .compile_cache import keep_compiled_kernels
+from .condition_cache import ConditionCache
 from .config import ModelConfig
 from .image import image_to_tensor, load_image
 from .kv_cache import KVPagePool
 from .loading import LoadedParts, load_pipeline_parts
 from .startup import StartupLog, maybe_stage
 from .model.text import TextEncoder, normalize_prompt
-from .model.vae_stream import FrameDecoder, compile_frame_decoder, decode_latent_frame
+from .model.vae_stream import ConditionStream, FrameDecoder, compile_frame_decoder, decode_latent_frame
 from .precision import AUTO, DTYPES, Precision, choose_precision
-from .rollout import BlockControl, BlockOutput, RolloutState, new_rollout, release, step_block
+from .rollout import BlockControl, BlockOutput, RolloutState, condition_pixels, new_rollout, release, step_block
 
 
 @dataclass
@@ -48,9 +50,14 @@ class Pipeline:
             states = self.text_encoder.encode(text).to(device=self.device, dtype=self.dtype)
             return self.transformer.prepare_text(states)
 
-    def start(self, image, prompt: str, seed: int, **kwargs) -> RolloutState:
+    def start(self, image, prompt: str, seed: int, conditions: ConditionCache | None = None,
+              **kwargs) -> RolloutState:
+        """A new world. conditions: share the picture's condition stream through this cache."""
         pixels = image_to_tensor(load_image(image), self.config.height, self.config.width)
         text = normalize_prompt(prompt, self.config.text.max_prompt_chars)
+        if conditions is not None:
+            shared = conditions.stream_for(condition_pixels(self.vae, pixels))
+            kwargs["condition"] = ConditionStream.reading(shared)
         return new_rollout(self.config, self.vae, pixels, self.encode_prompt(text), text, seed, **kwargs)
 
     def with_prompt(self, state: RolloutState, prompt: str) -> RolloutState:
@@ -115,6 +122,8 @@ def load_pipeline(source: str = "embedded", *, dtype: torch.dtype | str = AUTO, 
         compile = torch.device(device).type == "cuda"
     decode_frame = decode_latent_frame
     if compile:  # torch.compile is lazy: the graphs build on the first blocks
+        keep_compiled_kernels().mkdir(parents=True, exist_ok=True)
         parts.transformer.compile_blocks()
         decode_frame = compile_frame_decoder()
     return Pipeline.from_parts(parts, decode_frame, precision)
+

@@ -68,11 +68,15 @@ StageHook = Callable[[str], None]
 
 
 def new_rollout(config: ModelConfig, vae, image: torch.Tensor, text_kv: Any, prompt: str, seed: int,
-                start_camera: camera.CameraState | None = None) -> RolloutState:
+                start_camera: camera.CameraState | None = None,
+                condition: vae_stream.ConditionStream | None = None) -> RolloutState:
+    """condition: the stream to read the condition blocks from (a shared one); default a private stream."""
     generator = torch.Generator(device="cpu").manual_seed(int(seed))
+    if condition is None:
+        condition = vae_stream.ConditionStream.start(condition_pixels(vae, image))
     return RolloutState(
         block_index=0,
-        condition=vae_stream.ConditionStream.start(image.to(device=_device_of(vae), dtype=_dtype_of(vae))),
+        condition=condition,
         decoder=vae_stream.DecoderStream(),
         kv=SessionKV.empty(),
         rng_state=generator.get_state(),
@@ -80,6 +84,11 @@ def new_rollout(config: ModelConfig, vae, image: torch.Tensor, text_kv: Any, pro
         text_kv=text_kv,
         prompt=prompt,
     )
+
+
+def condition_pixels(vae, image: torch.Tensor) -> torch.Tensor:
+    """The start image [1, 3, H, W] as the condition encoder reads it: on the VAE's device, in its dtype."""
+    return image.to(device=_device_of(vae), dtype=_dtype_of(vae))
 
 
 def release(pool: KVPagePool, state: RolloutState) -> None:

@@ -34,7 +34,7 @@ from lingbot_core.serving.engine import (
     ErrorMessage,
     UnknownSession,
 )
-from lingbot_core.serving.session import Replay, held_bytes
+from lingbot_core.serving.session import Replay, Session, held_bytes
 from lingbot_core.video import count_frames, frames_to_uint8
 
 SLIM_VAE = dict(WAN21_VAE, base_dim=4, num_res_blocks=1)
@@ -109,8 +109,9 @@ def _counting_steps(monkeypatch, pipe) -> list:
 
 def test_admission_by_bytes_waits_in_line_then_refuses(pipe, image, clock):
     probe = _engine(pipe, clock, max_sessions=1)
-    one, reserve = probe.session_bytes, probe.block_reserve
-    assert one >= probe.footprint.committed + probe.footprint.message and reserve >= probe.footprint.in_flight
+    one, reserve = probe.session_bytes, probe.reserved_bytes
+    assert one >= probe.footprint.committed + probe.footprint.message and probe.block_reserve >= probe.footprint.in_flight
+    assert reserve == probe.block_reserve + probe.conditions.max_bytes
     probe.shutdown()
     with pytest.raises(ValueError, match="holds no session"):
         _engine(pipe, clock, memory_budget_bytes=reserve + one - 1)
@@ -139,6 +140,89 @@ def test_admission_by_bytes_waits_in_line_then_refuses(pipe, image, clock):
     assert engine.admit(image, PROMPT, 0, ticket_id=t2.ticket_id).position == 2
     engine.shutdown()
     assert engine.pool.allocator.num_in_use == 0 and second not in engine.session_ids()
+
+
+# ---------------------------------------------------------------------------------------------
+# The condition stream, once per picture
+
+
+def _count_encoder_calls(pipe) -> list:
+    calls = []
+    handle = pipe.vae.encoder.register_forward_pre_hook(lambda module, args, kwargs: calls.append(1),
+                                                        with_kwargs=True)
+    return calls, handle
+
+
+def _run_blocks(engine, session_id, blocks: int) -> list[torch.Tensor]:
+    """Run until `session_id` has made `blocks` more blocks (others make at most one, left in their outboxes)."""
+    latents = []
+    while len(latents) < blocks:
+        ran = engine.run_once()
+        assert ran is not None
+        if ran == session_id:
+            latents.append(engine.next_message(session_id, timeout=0).latents)
+    return latents
+
+
+def test_a_second_session_from_the_same_picture_does_not_encode_its_condition_again(pipe, image, clock):
+    calls, handle = _count_encoder_calls(pipe)
+    try:
+        engine = _engine(pipe, clock, max_sessions=2)
+        first = _admit(engine, image, seed=0)
+        _run_blocks(engine, first, 8)  # past the condition fixed point (block 6 here)
+        first_calls = len(calls)
+        assert first_calls > 0  # the first session paid the warm-up
+
+        # Same pixels from another array (another upload of the same picture), another seed and prompt.
+        second = _admit(engine, image.copy(), seed=5, prompt="another prompt")
+        _run_blocks(engine, second, 8)
+        assert len(calls) == first_calls, "the second session re-encoded its condition stream"
+
+        # Kept after every reader is gone: a later session from the picture still pays nothing.
+        engine.close(first)
+        engine.close(second)
+        third = _admit(engine, image, seed=1)
+        _run_blocks(engine, third, 3)
+        assert len(calls) == first_calls and len(engine.conditions) == 1
+
+        # Another picture has its own stream.
+        other = _admit(engine, 255 - image, seed=0)
+        _run_blocks(engine, other, 1)
+        assert len(calls) > first_calls and len(engine.conditions) == 2
+        engine.shutdown()
+    finally:
+        handle.remove()
+
+
+def test_a_shared_condition_stream_gives_exactly_the_blocks_of_a_private_one(pipe, image, clock):
+    """Two sessions from one picture, interleaved block by block, each equal to a session with its own stream."""
+    engine = _engine(pipe, clock, max_sessions=2)
+    ids = [_admit(engine, image, seed=seed) for seed in (3, 4)]
+    shared = {session_id: [] for session_id in ids}
+    for _ in range(9):  # round-robin: the sessions alternate, one extends the stream, the other reads it
+        for _ in ids:
+            session_id = engine.run_once()
+            shared[session_id].append(engine.next_message(session_id, timeout=0).latents)
+    assert engine._sessions[ids[0]].session.rollout.condition.shared is \
+        engine._sessions[ids[1]].session.rollout.condition.shared
+    engine.shutdown()
+    for session_id, seed in zip(ids, (3, 4)):
+        pool = pipe.new_pool()
+        private = Session("private", pipe, pool, image, PROMPT, seed)
+        assert private.rollout.condition.shared is None
+        for block, latents in enumerate(shared[session_id]):
+            assert torch.equal(private.step().latents, latents), (seed, block)
+        private.close()
+
+
+def test_the_kept_condition_streams_stay_within_their_bytes(pipe, image, clock):
+    engine = _engine(pipe, clock, max_sessions=1, condition_cache_bytes=0)
+    first = _admit(engine, image)
+    _run_blocks(engine, first, 2)
+    assert len(engine.conditions) == 1  # read by a session: alive even beyond the bound
+    engine.close(first)
+    assert len(engine.conditions) == 0 and engine.accounted_bytes() == 0  # nothing kept at a bound of 0
+    engine.shutdown()
 
 
 def test_accounted_bytes_match_live_tensors_and_stay_under_the_charge(pipe, image, clock):
@@ -277,7 +361,7 @@ def test_idle_ttl_closes_a_session_and_tells_its_consumer(pipe, image, clock):
     with pytest.raises(UnknownSession, match="never existed"):
         engine.next_message("nope", timeout=0)
     engine.close(watched, "consumer disconnected")
-    assert engine.pool.allocator.num_in_use == 0 and engine.accounted_bytes() == 0
+    assert engine.pool.allocator.num_in_use == 0 and engine.accounted_bytes() == engine.conditions.nbytes() <= engine.conditions.max_bytes
     assert "consumer disconnected" in engine.next_message(watched, timeout=0).text
     engine.shutdown()
 
@@ -387,7 +471,7 @@ def test_a_thousand_sessions_through_every_exit_leave_an_empty_pool_and_flat_rss
                 engine.run_once()
             engine.close(session_id, "server shutting down")
         assert engine.pool.allocator.num_in_use == 0, f"cycle {cycle} (path {path}) leaked pages"
-        assert engine.session_ids() == [] and engine.accounted_bytes() == 0
+        assert engine.session_ids() == [] and engine.accounted_bytes() == engine.conditions.nbytes() <= engine.conditions.max_bytes
     gc.collect()
     rss.append(_rss_bytes())
     alive = [cycle for cycle, ref in enumerate(replays) if ref() is not None]

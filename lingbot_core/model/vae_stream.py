@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -188,6 +189,7 @@ class ConditionStream:
     condition: torch.Tensor | None
     next_block: int
     fixed: bool = False
+    shared: SharedCondition | None = None  # set: the blocks come from this shared stream, nothing is private
 
     @classmethod
     def start(cls, image: torch.Tensor) -> ConditionStream:
@@ -201,8 +203,58 @@ class ConditionStream:
         # A private copy: the caller's tensor may change or be a view of a larger batch.
         return cls(image=image.unsqueeze(2).clone(), history=None, condition=None, next_block=0)  # [1, 3, 1, H, W]
 
+    @classmethod
+    def reading(cls, shared: SharedCondition) -> ConditionStream:
+        """A session's stream that reads its blocks from `shared` (computing each only if no one has)."""
+        return cls(image=None, history=None, condition=None, next_block=0, shared=shared)
+
     def nbytes(self) -> int:
+        """Bytes this state holds privately; a shared stream's blocks are counted once, by its cache."""
         return _held_bytes([self.image, self.condition, *(self.history or [])])
+
+
+class SharedCondition:
+    """The condition blocks of one start image, encoded once and read by every session that starts from it.
+
+    The condition stream is a function of the start image alone (not of keys, prompt or seed), and until the
+    encoder reaches its fixed point every block costs a full encoder pass. Blocks are computed in order by
+    whichever session first needs them and kept; `frontier` is the encoder state after the last one and is
+    dropped at the fixed point, after which the last block stands for every later one. A failed encode
+    leaves it as it was. Appending a correct block is not a session's state change, so a session whose
+    own block later fails leaves the shared stream as it is.
+    """
+
+    def __init__(self, image: torch.Tensor) -> None:
+        self._frontier: ConditionStream | None = ConditionStream.start(image)
+        self._blocks: list[torch.Tensor] = []
+        self._lock = threading.Lock()  # sessions of one engine step on one thread; scripts may not
+        self.encoded = 0  # encoder passes run (each block once)
+
+    @property
+    def fixed(self) -> bool:
+        return self._frontier is None
+
+    @property
+    def blocks_known(self) -> int:
+        return len(self._blocks)
+
+    def block(self, vae: AutoencoderKLWan, block_index: int, model_config: ModelConfig) -> torch.Tensor:
+        with self._lock:
+            if block_index < len(self._blocks):
+                return self._blocks[block_index]
+            if self._frontier is None:  # fixed point: every later block is the last one
+                return self._blocks[-1]
+            condition, frontier = encode_condition_block(vae, self._frontier, block_index, model_config)
+            self.encoded += 1
+            self._blocks.append(condition)
+            self._frontier = None if frontier.fixed else frontier
+            return condition
+
+    def nbytes(self) -> int:
+        with self._lock:
+            frontier = self._frontier
+            return _held_bytes([*self._blocks, *([frontier.image, frontier.condition, *(frontier.history or [])]
+                                                 if frontier is not None else [])])
 
 
 def _condition_pixel_chunks(vae: AutoencoderKLWan, state: ConditionStream, block_index: int,
@@ -230,6 +282,8 @@ def encode_condition_block(vae: AutoencoderKLWan, state: ConditionStream, block_
     """
     if block_index != state.next_block:
         raise StreamOrderError(f"condition stream expects block {state.next_block}, got block {block_index}")
+    if state.shared is not None:
+        return state.shared.block(vae, block_index, model_config), dataclasses.replace(state, next_block=block_index + 1)
     if state.fixed:
         # Fixed point: the encoder would reproduce the same history and the same latents.
         return state.condition, dataclasses.replace(state, next_block=block_index + 1)

@@ -44,6 +44,7 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 import torch
 
+from ..condition_cache import ConditionCache
 from ..events import Event
 from ..image import load_image
 from ..model.text import normalize_prompt
@@ -87,6 +88,9 @@ class EngineConfig:
     max_queued_events: int = 64
     worker_poll_s: float = 0.5  # the idle worker wakes this often to apply the TTL
     remembered_closes: int = 256  # closed ids whose reason is still reported to late callers
+    # Condition streams kept for start pictures no session is reading now (e.g. the example images), so a
+    # later session from the same picture skips the encoder warm-up. None: room for 4 streams at their largest.
+    condition_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_lead_blocks < 1:
@@ -199,6 +203,11 @@ class Engine:
                            f"{self.block_reserve / 2**20:.1f} MiB for the running block")
         # A session between blocks at its largest, plus the finished blocks its consumer has not taken.
         self.session_bytes = self.footprint.committed + config.max_lead_blocks * self.footprint.message
+        # Sessions share one condition stream per start picture; each is still charged a stream of its own
+        # (`footprint.condition`), and the streams kept for pictures no session reads have their own reserve.
+        cache_bytes = config.condition_cache_bytes
+        self.conditions = ConditionCache(4 * self.footprint.condition if cache_bytes is None else cache_bytes)
+        self.reserved_bytes = self.block_reserve + self.conditions.max_bytes
         device = self.pipeline.device
         budget = config.memory_budget_bytes
         if budget is None:
@@ -207,13 +216,14 @@ class Engine:
             raise ValueError(f"memory_budget_bytes={budget} exceeds the {device.type} memory of "
                              f"{total_memory_bytes(device) / 2**30:.1f} GiB")
         self.memory_budget = int(budget)
-        capacity = max(0, (self.memory_budget - self.block_reserve) // self.session_bytes)
+        capacity = max(0, (self.memory_budget - self.reserved_bytes) // self.session_bytes)
         if config.max_sessions is not None:
             capacity = min(capacity, config.max_sessions)
         if capacity < 1:
             raise ValueError(f"a memory budget of {self.memory_budget / 2**20:.1f} MiB holds no session: one needs "
                              f"{self.session_bytes / 2**20:.1f} MiB plus {self.block_reserve / 2**20:.1f} MiB "
-                             "for the block being computed")
+                             f"for the block being computed and {self.conditions.max_bytes / 2**20:.1f} MiB for "
+                             "the shared condition streams")
         self.capacity = int(capacity)
         t = self.pipeline.config.transformer
         # Between blocks a session holds sink + recent pages; only the one running block holds its own too.
@@ -262,7 +272,7 @@ class Engine:
 
     def _fits_locked(self) -> bool:
         return (len(self._sessions) < self.capacity and
-                self.block_reserve + (len(self._sessions) + 1) * self.session_bytes <= self.memory_budget)
+                self.reserved_bytes + (len(self._sessions) + 1) * self.session_bytes <= self.memory_budget)
 
     def admit(self, image, prompt: str, seed: int, ticket_id: str | None = None) -> Ticket:
         """Open a session if it fits; otherwise a place in line (poll again with the ticket id).
@@ -296,7 +306,7 @@ class Engine:
         # Model work outside the table lock, so input and status calls are not held up.
         session_id = uuid.uuid4().hex
         session = Session(session_id, self.pipeline, self.pool, picture, prompt, seed,
-                          self.config.max_queued_events, self.clock, self.footprint)
+                          self.config.max_queued_events, self.clock, self.footprint, self.conditions)
         with self._lock:
             self._sessions[session_id] = _Live(session)
             self._changed.notify_all()
@@ -449,14 +459,16 @@ class Engine:
                     "capacity": self.capacity, "pages_in_use": self.pool.allocator.num_in_use,
                     "pages_total": self.pool.allocator.num_pages, "accounted_bytes": self.accounted_bytes(),
                     "memory_budget": self.memory_budget, "session_bytes": self.session_bytes,
-                    "block_reserve": self.block_reserve}
+                    "block_reserve": self.block_reserve, "condition_cache_bytes": self.conditions.nbytes(),
+                    "condition_streams": len(self.conditions)}
 
     def accounted_bytes(self) -> int:
         """Bytes every live session holds now (committed + in-flight) plus the blocks in their outboxes."""
         with self._lock:
             lives = list(self._sessions.values())
             outboxes = sum(m.nbytes for live in lives for m in live.outbox if isinstance(m, BlockMessage))
-        return sum(sum(live.session.nbytes().values()) for live in lives) + outboxes
+        sessions = sum(sum(live.session.nbytes().values()) for live in lives)
+        return sessions + outboxes + self.conditions.nbytes()  # shared condition streams: once
 
     def session_ids(self) -> list[str]:
         with self._lock:
@@ -499,6 +511,7 @@ class Engine:
             started = time.perf_counter()
             try:
                 output = live.session.step()
+                self.conditions.trim()  # the block may have grown a shared stream
             except Exception as exc:  # the session is intact; tell its consumer and wait for new input
                 log.warning("session %s: block %d failed: %s", session_id, live.session.block_index, repr(exc))
                 with self._lock:

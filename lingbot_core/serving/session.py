@@ -28,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ..condition_cache import ConditionCache
 from ..events import Event, EventError, KeyStateEvent, ScriptEvent, parse_event
 from ..image import image_digest, load_image
 from ..kv_cache import KVPagePool
@@ -222,7 +223,8 @@ class _Plan:
 class Session:
     def __init__(self, session_id: str, pipeline, pool: KVPagePool, image, prompt: str, seed: int,
                  max_queued_events: int = 64, clock: Callable[[], float] = time.monotonic,
-                 footprint: Footprint | None = None) -> None:
+                 footprint: Footprint | None = None, conditions: ConditionCache | None = None) -> None:
+        """conditions: where sessions share one condition stream per start picture (the engine's cache)."""
         if max_queued_events < 1:
             raise ValueError(f"max_queued_events must be at least 1, got {max_queued_events}")
         self.session_id = session_id
@@ -231,6 +233,7 @@ class Session:
         self.max_queued_events = max_queued_events
         self.clock = clock
         self.footprint = footprint
+        self.conditions = conditions
         self._lock = threading.Lock()  # queue, held keys, floor, replay, status: the parts input touches
         self._busy = False
         self._close_requested = False
@@ -254,7 +257,7 @@ class Session:
             raise ValueError(f"seed must be an integer, got {seed!r}")
         picture = load_image(image)
         text = normalize_prompt(prompt, self.pipeline.config.text.max_prompt_chars)
-        rollout = self.pipeline.start(picture, text, seed)
+        rollout = self.pipeline.start(picture, text, seed, conditions=self.conditions)
         replay = Replay(self.pipeline.config.name, image_digest(picture), int(seed), text,
                         dtype=str(self.pipeline.dtype).removeprefix("torch."))
         with self._lock:
