@@ -155,6 +155,21 @@ def test_same_seed_same_world_and_pixels():
     assert float((a - c).abs().mean()) > 0.02
 
 
+def test_a_clip_renders_the_same_pixels_as_its_frames_alone():
+    # Frames are cast in batches over the objects near the whole clip; each frame alone (its own,
+    # smaller object draw, a batch of one) must hit the same objects at the same depths and come out
+    # the same up to float rounding (vector kernels round a tensor's tail elements differently).
+    world = make_world(SEED)
+    path = key_path(held_keys(["", "wl", "wj"], FPB), EMBEDDED)
+    poses = path.pixel_poses[::5]
+    clip = render_buffers(world, poses, K, W, H)
+    for index, pose in enumerate(poses):
+        alone = render_buffers(world, pose, K, W, H)
+        assert torch.equal(alone.object_id[0], clip.object_id[index])
+        assert torch.allclose(alone.depth[0], clip.depth[index], rtol=1e-6, atol=0)
+        assert torch.allclose(alone.rgb[0], clip.rgb[index], rtol=0, atol=1e-6)
+
+
 def test_objects_do_not_depend_on_the_order_cells_are_drawn_in():
     world = make_world(SEED)
     near = objects_near(world, np.array([[0.0, 0.0]]), 3.0)

@@ -39,6 +39,7 @@ _SHADOW_BIAS = 2e-3  # shadow rays start this far off the surface, along its nor
 _SKY_ID, _GROUND_ID = -1, 0
 _CLOUD_HEIGHT = 12.0  # world units above the camera's start height
 _WINDOW_BAND = (0.17, 0.33)  # window sills and lintels, in units above the ground
+_RAYS_PER_BATCH = 2**18  # frames are cast together up to about this many rays (bounds memory)
 
 
 class Buffers(NamedTuple):
@@ -64,14 +65,20 @@ def render(world: World, poses: np.ndarray, intrinsics: np.ndarray, width: int, 
 
 def render_buffers(world: World, poses: np.ndarray, intrinsics: np.ndarray, width: int,
                    height: int) -> Buffers:
-    """One ray per pixel: colour, depth and object id (no supersampling: ids and depths do not average)."""
+    """One ray per pixel: colour, depth and object id (no supersampling: ids and depths do not average).
+
+    Frames are cast together in batches; every ray's result depends only on its own frame, so a clip
+    renders the same pixels as its frames rendered one at a time.
+    """
     poses, intrinsics = _check(poses, intrinsics, width, height)
     reach = world.fog_distance
     # Every object a frame could show, or whose shadow it could show, in one draw for the clip.
     tallest = 2.0 * world.config.eye_height + 2.5  # generous: no object kind is taller than this
     prims = objects_near(world, poses[:, [0, 2], 3], reach + tallest * (1.0 + world.sun_slope))
-    frames = [_render_frame(world, prims, pose, k, width, height) for pose, k in zip(poses, intrinsics)]
-    return Buffers(*(torch.stack(parts) for parts in zip(*frames)))
+    batch = max(1, _RAYS_PER_BATCH // (width * height))
+    parts = [_render_batch(world, prims, poses[i:i + batch], intrinsics[i:i + batch], width, height)
+             for i in range(0, len(poses), batch)]
+    return Buffers(*(torch.cat(chunk) for chunk in zip(*parts)))
 
 
 def to_uint8(rgb: torch.Tensor) -> np.ndarray:
@@ -96,46 +103,85 @@ def _check(poses, intrinsics, width: int, height: int) -> tuple[np.ndarray, np.n
 # One frame
 
 
-def _render_frame(world: World, prims: Primitives, pose: np.ndarray, k: np.ndarray, width: int,
+class _Frames(NamedTuple):
+    """A batch of F pinhole cameras, as float32 tensors."""
+
+    rotation: torch.Tensor  # [F, 3, 3] camera-to-world
+    origin: torch.Tensor  # [F, 3]
+    k: torch.Tensor  # [F, 4] fx, fy, cx, cy in pixels
+    width: int
+    height: int
+
+
+def _rotate(rotation: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """rotation [..., 3, 3] @ v [..., 3], as products and 3-term sums: no BLAS call, whose blocking
+    (and so rounding) could depend on how many frames share a batch."""
+    return (rotation * v[..., None, :]).sum(-1)
+
+
+def _render_batch(world: World, prims: Primitives, poses: np.ndarray, ks: np.ndarray, width: int,
                   height: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    fx, fy, cx, cy = (float(v) for v in k)
-    cam = _Camera(torch.from_numpy(pose[:3, :3].astype(np.float32)), torch.from_numpy(pose[:3, 3].astype(np.float32)),
-                  fx, fy, cx, cy, width, height)
-    xs = (torch.arange(width, dtype=torch.float32) + 0.5 - cx) / fx
-    ys = (torch.arange(height, dtype=torch.float32) + 0.5 - cy) / fy
-    camera_rays = torch.stack([xs[None, :].expand(height, width), ys[:, None].expand(height, width),
-                               torch.ones(height, width)], dim=-1).reshape(-1, 3)
-    dirs = F.normalize(F.normalize(camera_rays, dim=-1) @ cam.rotation.T, dim=-1)  # [R, 3]
-    tile = (torch.arange(height) // _TILE)[:, None] * (-(-width // _TILE)) + (torch.arange(width) // _TILE)[None, :]
+    frames = _Frames(torch.from_numpy(poses[:, :3, :3].astype(np.float32)),
+                     torch.from_numpy(poses[:, :3, 3].astype(np.float32)),
+                     torch.from_numpy(ks.astype(np.float32)), width, height)
+    count, pixels = len(poses), width * height
+    fx, fy, cx, cy = frames.k.unbind(-1)
+    xs = (torch.arange(width, dtype=torch.float32)[None, :] + 0.5 - cx[:, None]) / fx[:, None]  # [F, W]
+    ys = (torch.arange(height, dtype=torch.float32)[None, :] + 0.5 - cy[:, None]) / fy[:, None]  # [F, H]
+    camera_rays = torch.stack([xs[:, None, :].expand(count, height, width), ys[:, :, None].expand(count, height, width),
+                               torch.ones(count, height, width)], dim=-1)  # [F, H, W, 3]
+    dirs = F.normalize(_rotate(frames.rotation[:, None, None], F.normalize(camera_rays, dim=-1)), dim=-1)
+    dirs = dirs.reshape(-1, 3)  # [R, 3], R = F * H * W, frame-major
+    frame_of = torch.arange(count).repeat_interleave(pixels)
+    origin = frames.origin.index_select(0, frame_of)  # [R, 3]
+    tiles = -(-width // _TILE) * -(-height // _TILE)
+    tile = ((torch.arange(height) // _TILE)[:, None] * (-(-width // _TILE))
+            + (torch.arange(width) // _TILE)[None, :]).reshape(-1)
+    ray_keys = (torch.arange(count)[:, None] * tiles + tile[None, :]).reshape(-1)
 
-    visible = _cull(world, prims, pose, (fx, fy, cx, cy), width, height)
-    t, kind_of, row_of, plane_of = _cast(prims, visible, cam.origin[None], dirs,
-                                         lambda c, r: _screen_pairs(cam, c, r, tile.reshape(-1)),
+    visible = _cull(world, prims, poses, ks, width, height)
+    t, kind_of, row_of, plane_of = _cast(prims, visible, origin, dirs,
+                                         lambda mask, c, r: _screen_pairs(frames, mask, c, r, ray_keys),
                                          world.config.eye_height)
-    point = cam.origin + t[:, None] * dirs
+    point = origin + t[:, None] * dirs
     normal, albedo, object_id = _surface(prims, kind_of, row_of, plane_of, point, t, dirs)
-    rgb = _shade(world, prims, visible, cam.origin, dirs, t, normal, albedo, object_id, math.sqrt(fx * fy))
+    focal = torch.sqrt(fx * fy).index_select(0, frame_of)
+    rgb = _shade(world, prims, visible, origin, frame_of, dirs, t, normal, albedo, object_id, focal)
     depth = torch.where(object_id == _SKY_ID, torch.full_like(t, math.inf), t)
-    return (rgb.T.reshape(3, height, width), depth.reshape(height, width), object_id.reshape(height, width))
+    return (rgb.reshape(count, height, width, 3).permute(0, 3, 1, 2), depth.reshape(count, height, width),
+            object_id.reshape(count, height, width))
 
 
-def _cull(world: World, prims: Primitives, pose: np.ndarray, k, width: int, height: int) -> dict[str, torch.Tensor]:
-    """Per primitive kind, the rows of the objects this frame can show or see the shadow of."""
-    fx, fy, cx, cy = k
+def _cull(world: World, prims: Primitives, poses: np.ndarray, ks: np.ndarray, width: int,
+          height: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per primitive kind: the rows that any frame keeps, and which frames keep each [F, rows].
+
+    A frame keeps the objects it can show or see the shadow of: those whose bounding sphere, grown
+    by the reach of its shadow, is nearer than the fog cut-off and meets the view cone.
+    """
+    fx, fy, cx, cy = (ks[:, i:i + 1] for i in range(4))  # [F, 1]
     # Half-angle of a cone around the optical axis that holds the whole frustum.
-    corner = max(math.hypot(max(cx, width - cx) / fx, max(cy, height - cy) / fy), 1e-6)
-    half_angle = math.atan(corner)
+    corner = np.hypot(np.maximum(cx, width - cx) / fx, np.maximum(cy, height - cy) / fy)
+    half_angle = np.arctan(corner)  # [F, 1]
     centre = prims.bound_centre.double().numpy()
     radius = (prims.bound_radius + prims.bound_height * world.sun_slope).double().numpy()
-    offset = centre - pose[:3, 3]
+    offset = centre[None] - poses[:, None, :3, 3]  # [F, N, 3]
     distance = np.linalg.norm(offset, axis=-1)
-    forward = pose[:3, 2] / np.linalg.norm(pose[:3, 2])
-    cos_angle = offset @ forward / np.maximum(distance, 1e-9)
+    forward = poses[:, :3, 2] / np.linalg.norm(poses[:, :3, 2], axis=-1, keepdims=True)
+    cos_angle = np.einsum("fnk,fk->fn", offset, forward) / np.maximum(distance, 1e-9)
     angle = np.arccos(np.clip(cos_angle, -1.0, 1.0))
     slack = np.arcsin(np.clip(radius / np.maximum(distance, 1e-9), 0.0, 1.0))
     keep = (distance - radius < world.fog_distance) & ((distance <= radius) | (angle <= half_angle + slack))
-    ids = prims.bound_id[torch.from_numpy(keep)]
-    return {kind: torch.isin(getattr(prims, f"{kind}_id"), ids).nonzero().squeeze(1) for kind in KINDS}
+    keep = torch.from_numpy(keep)  # [F, N objects]
+    order = torch.argsort(prims.bound_id)
+    sorted_ids = prims.bound_id[order]
+    out = {}
+    for kind in KINDS:
+        owner = order[torch.searchsorted(sorted_ids, getattr(prims, f"{kind}_id"))]  # object of each primitive
+        kept = keep[:, owner]  # [F, M]
+        rows = kept.any(0).nonzero().squeeze(1)
+        out[kind] = (rows, kept[:, rows])
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,89 +314,95 @@ def _boxes_to_keys(x0: torch.Tensor, x1: torch.Tensor, y0: torch.Tensor, y1: tor
     return box, ys * columns + xs
 
 
-class _Camera(NamedTuple):
-    rotation: torch.Tensor  # [3, 3] camera-to-world
-    origin: torch.Tensor  # [3]
-    fx: float
-    fy: float
-    cx: float
-    cy: float
-    width: int
-    height: int
-
-
 _TILE = 8  # pixels per side of a screen bin
 
 
-def _screen_pairs(cam: _Camera, centre: torch.Tensor, radius: torch.Tensor, pixel_keys: torch.Tensor):
-    """(ray, primitive) pairs whose ray passes the tile holding the primitive's projected bounding sphere."""
-    local = (centre - cam.origin) @ cam.rotation  # world -> camera frame (R is orthonormal)
+def _screen_pairs(frames: _Frames, mask: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor,
+                  ray_keys: torch.Tensor):
+    """(ray, primitive) pairs whose ray passes a tile that the primitive's projected bounding sphere
+    covers in the ray's own frame. mask [F, M]: the frames that keep each primitive."""
+    width, height = frames.width, frames.height
+    # World -> camera frame: R^T (c - o), R orthonormal.
+    local = _rotate(frames.rotation.transpose(1, 2)[:, None], centre[None] - frames.origin[:, None])  # [F, M, 3]
     x, y, z = local.unbind(-1)
-    tiles_x = -(-cam.width // _TILE)
-    tiles_y = -(-cam.height // _TILE)
+    fx, fy, cx, cy = (v[:, None] for v in frames.k.unbind(-1))  # [F, 1]
+    tiles_x, tiles_y = -(-width // _TILE), -(-height // _TILE)
     ahead = z - radius > 1e-2
-    # Exact extent of a sphere's projection along one image axis: tangents from the centre of
-    # projection to the circle the sphere projects to in that axis's plane (valid when z > radius).
-    def extent(lateral: torch.Tensor, focal: float, principal: float):
+
+    def extent(lateral: torch.Tensor, focal: torch.Tensor, principal: torch.Tensor):
+        # Exact extent of a sphere's projection along one image axis: tangents from the centre of
+        # projection to the circle the sphere projects to in that axis's plane (valid when z > radius).
         dist = torch.sqrt(lateral * lateral + z * z)
         theta = torch.atan2(lateral, z)
         alpha = torch.asin((radius / dist.clamp(min=1e-9)).clamp(max=1.0))
         low = focal * torch.tan((theta - alpha).clamp(-1.5, 1.5)) + principal
         high = focal * torch.tan((theta + alpha).clamp(-1.5, 1.5)) + principal
         return low, high
-    lx, hx = extent(x, cam.fx, cam.cx)
-    ly, hy = extent(y, cam.fy, cam.cy)
+
+    lx, hx = extent(x, fx, cx)
+    ly, hy = extent(y, fy, cy)
     # Pixel p is hit only if its centre p + 0.5 lies in [low, high]; one pixel of margin for rounding.
-    x0 = torch.where(ahead, torch.floor(lx - 1.5), torch.tensor(0.0))
-    x1 = torch.where(ahead, torch.ceil(hx + 0.5), torch.tensor(float(cam.width)))
-    y0 = torch.where(ahead, torch.floor(ly - 1.5), torch.tensor(0.0))
-    y1 = torch.where(ahead, torch.ceil(hy + 0.5), torch.tensor(float(cam.height)))
-    behind = z + radius < 0  # wholly behind the camera: no pixel
-    x0 = torch.div(x0.clamp(0, cam.width - 1).long(), _TILE, rounding_mode="floor")
-    x1 = torch.div(x1.clamp(0, cam.width - 1).long(), _TILE, rounding_mode="floor")
-    y0 = torch.div(y0.clamp(0, cam.height - 1).long(), _TILE, rounding_mode="floor")
-    y1 = torch.where(behind, -1, torch.div(y1.clamp(0, cam.height - 1).long(), _TILE, rounding_mode="floor"))
-    off_screen = (lx > cam.width) | (hx < 0) | (ly > cam.height) | (hy < 0)
-    y1 = torch.where(ahead & off_screen, -1, y1)
-    box, keys = _boxes_to_keys(x0, x1, y0, y1, tiles_x)
-    return _join(pixel_keys, keys, box, tiles_x * tiles_y)
+    # A sphere that reaches the camera's plane gets the whole frame.
+    x0 = torch.where(ahead, torch.floor(lx - 1.5), 0.0).clamp(0, width - 1).long() // _TILE
+    x1 = torch.where(ahead, torch.ceil(hx + 0.5), float(width)).clamp(0, width - 1).long() // _TILE
+    y0 = torch.where(ahead, torch.floor(ly - 1.5), 0.0).clamp(0, height - 1).long() // _TILE
+    y1 = torch.where(ahead, torch.ceil(hy + 0.5), float(height)).clamp(0, height - 1).long() // _TILE
+    off_screen = ahead & ((lx > width) | (hx < 0) | (ly > height) | (hy < 0))
+    behind = z + radius < 0  # wholly behind the camera
+    y1 = torch.where(off_screen | behind | ~mask, -1, y1)  # an empty box
+    box, keys = _boxes_to_keys(x0.reshape(-1), x1.reshape(-1), y0.reshape(-1), y1.reshape(-1), tiles_x)
+    prims_per_frame = centre.shape[0]
+    keys = keys + torch.div(box, prims_per_frame, rounding_mode="floor") * (tiles_x * tiles_y)
+    ray_index, box = _join(ray_keys, keys, box, len(frames.k) * tiles_x * tiles_y)
+    return ray_index, box % prims_per_frame
 
 
 _SHADOW_CELL = 0.25  # world units per side of a bin in the plane across the sun
 
 
-def _sun_pairs(sun: torch.Tensor, points: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor):
-    """(ray, primitive) pairs for shadow rays from `points` towards `sun` (an orthographic projection)."""
+def _sun_pairs(sun: torch.Tensor, points: torch.Tensor, point_frame: torch.Tensor, mask: torch.Tensor,
+               centre: torch.Tensor, radius: torch.Tensor):
+    """(ray, primitive) pairs for shadow rays from `points` towards `sun`: bins of the plane across
+    the sun (an orthographic projection), per frame. mask [F, M]: the frames that keep each primitive."""
     helper = torch.tensor([1.0, 0.0, 0.0]) if abs(float(sun[0])) < 0.9 else torch.tensor([0.0, 0.0, 1.0])
     e1 = F.normalize(torch.linalg.cross(sun, helper), dim=0)
     e2 = torch.linalg.cross(sun, e1)
-    basis = torch.stack([e1, e2], -1)  # [3, 2]
-    p_uv = torch.floor(points @ basis / _SHADOW_CELL).long()
-    c_uv = centre @ basis / _SHADOW_CELL
+    basis = torch.stack([e1, e2])  # [2, 3]
+
+    def project(v: torch.Tensor) -> torch.Tensor:  # [N, 3] -> [N, 2] bin coordinates, no BLAS (see _rotate)
+        return (v[:, None, :] * basis).sum(-1) / _SHADOW_CELL
+
+    p_uv = torch.floor(project(points)).long()
+    c_uv = project(centre)
     r = radius / _SHADOW_CELL
     # Bins span the points' extent only; primitive boxes are clipped to it (beyond, no ray to block).
     first, last = p_uv.amin(0), p_uv.amax(0)
     columns, rows = int(last[0] - first[0]) + 1, int(last[1] - first[1]) + 1
-    low = torch.floor(c_uv - r[:, None]).long() - first
-    high = torch.floor(c_uv + r[:, None]).long() - first
-    box, keys = _boxes_to_keys(low[:, 0].clamp(min=0), high[:, 0].clamp(max=columns - 1),
-                               low[:, 1].clamp(min=0), high[:, 1].clamp(max=rows - 1), columns)
-    ray_keys = (p_uv[:, 1] - first[1]) * columns + (p_uv[:, 0] - first[0])
-    return _join(ray_keys, keys, box, columns * rows)
+    low = (torch.floor(c_uv - r[:, None]).long() - first).clamp(min=0)
+    high = torch.minimum(torch.floor(c_uv + r[:, None]).long() - first, torch.tensor([columns - 1, rows - 1]))
+    count, prims = mask.shape
+    y1 = torch.where(mask, high[None, :, 1], -1)  # [F, M]: frames that culled a primitive get an empty box
+    box, keys = _boxes_to_keys(low[:, 0].repeat(count), high[:, 0].repeat(count), low[:, 1].repeat(count),
+                               y1.reshape(-1), columns)
+    bins = columns * rows
+    keys = keys + torch.div(box, prims, rounding_mode="floor") * bins
+    ray_keys = point_frame * bins + (p_uv[:, 1] - first[1]) * columns + (p_uv[:, 0] - first[0])
+    ray_index, box = _join(ray_keys, keys, box, count * bins)
+    return ray_index, box % prims
 
 
-def _cast(prims: Primitives, visible: dict[str, torch.Tensor], o: torch.Tensor, d: torch.Tensor,
-          pairs_for, ground_y: float | None):
+def _cast(prims: Primitives, visible: dict[str, tuple[torch.Tensor, torch.Tensor]], o: torch.Tensor,
+          d: torch.Tensor, pairs_for, ground_y: float | None):
     """Nearest hit per ray over the ground plane (unless None) and the visible primitives.
 
-    `pairs_for(centre, radius)` bins the rays against bounding spheres. Returns t [R] and, per ray,
+    o, d [R, 3]. `pairs_for(mask, centre, radius)` bins the rays against bounding spheres. Returns t [R] and, per ray,
     the winning (kind index, primitive row, polytope plane), kind -1 for the ground or nothing.
     """
     rays = d.shape[0]
     best = torch.full((rays,), math.inf) if ground_y is None else _valid((ground_y - o[:, 1]) / d[:, 1])
     candidates = []
     for kind_index, kind in enumerate(KINDS):
-        rows = visible[kind]
+        rows, mask = visible[kind]
         if rows.numel() == 0:
             continue
         packed = _pack(prims, kind, rows)
@@ -359,11 +411,11 @@ def _cast(prims: Primitives, visible: dict[str, torch.Tensor], o: torch.Tensor, 
             centre, radius = bound[:, :3], bound[:, 3]
         else:
             centre, radius = _bounds(kind, packed)
-        ray_index, box = pairs_for(centre, radius)
+        ray_index, box = pairs_for(mask, centre, radius)
         if ray_index.numel() == 0:
             continue
         q = packed.index_select(0, box)
-        origin = o if o.shape[0] == 1 else o.index_select(0, ray_index)
+        origin = o.index_select(0, ray_index)
         direction = d.index_select(0, ray_index)
         if kind == "polytope":
             t, plane = _t_polytope(q, origin, direction)
@@ -469,9 +521,10 @@ def _smoothstep(lo: float, hi: float, x: torch.Tensor) -> torch.Tensor:
     return x * x * (3 - 2 * x)
 
 
-def _shade(world: World, prims: Primitives, visible: dict[str, torch.Tensor], origin: torch.Tensor, d: torch.Tensor,
-           t: torch.Tensor, normal: torch.Tensor, albedo: torch.Tensor, object_id: torch.Tensor,
-           focal: float) -> torch.Tensor:
+def _shade(world: World, prims: Primitives, visible: dict[str, tuple[torch.Tensor, torch.Tensor]],
+           origin: torch.Tensor, frame_of: torch.Tensor, d: torch.Tensor, t: torch.Tensor, normal: torch.Tensor,
+           albedo: torch.Tensor, object_id: torch.Tensor, focal: torch.Tensor) -> torch.Tensor:
+    """Colours [R, 3]: origin [R, 3], frame_of [R] (each ray's frame), focal [R] in pixels."""
     style, cfg = world.style, world.config
     table = _padded(world.noise)
     sun = torch.tensor(style.sun_direction, dtype=torch.float32)
@@ -485,11 +538,11 @@ def _shade(world: World, prims: Primitives, visible: dict[str, torch.Tensor], or
     sd = d[sky_rows]
     elevation = (-sd[:, 1]).clamp(min=0.0)
     sky = torch.lerp(horizon, zenith, elevation.pow(0.6)[:, None])
-    cos_sun = sd @ sun
+    cos_sun = (sd * sun).sum(-1)
     sky = sky + torch.tensor(style.sun_colour) * (0.3 * torch.exp((cos_sun - 1.0) * 25.0)
                                                   + _smoothstep(0.9985, 0.9992, cos_sun))[:, None]
     lift = (_CLOUD_HEIGHT / elevation.clamp(min=0.05))[:, None]
-    cloud_xz = origin[[0, 2]] + sd[:, [0, 2]] * lift
+    cloud_xz = origin[sky_rows][:, [0, 2]] + sd[:, [0, 2]] * lift
     puffs = (_value_noise(table, cloud_xz[:, 0] / 5.0 + 101.0, cloud_xz[:, 1] / 5.0 + 57.0) * 0.7
              + _value_noise(table, cloud_xz[:, 0] / 1.8 + 13.0, cloud_xz[:, 1] / 1.8 + 71.0) * 0.3)
     cover = _smoothstep(1.0 - style.cloud_cover, 1.15 - style.cloud_cover * 0.8, puffs)
@@ -500,10 +553,10 @@ def _shade(world: World, prims: Primitives, visible: dict[str, torch.Tensor], or
     # Surfaces: albedo with texture, then sun and sky light. Ground and object textures are both
     # computed for every surface ray and chosen per ray (cheaper than splitting the rays again).
     ts, ds, ids = t[surface_rows], d[surface_rows], object_id[surface_rows]
-    p = origin + ts[:, None] * ds
+    p = origin[surface_rows] + ts[:, None] * ds
     n = normal[surface_rows]
     cos_view = (n * ds).sum(-1).abs().clamp(min=1e-3)
-    footprint = ts / (focal * cos_view.sqrt())  # world units a pixel covers there
+    footprint = ts / (focal[surface_rows] * cos_view.sqrt())  # world units a pixel covers there
     x, y, z = p.unbind(-1)
 
     patch = _smoothstep(0.35, 0.65, _value_noise(table, x / 2.5, z / 2.5))
@@ -527,14 +580,15 @@ def _shade(world: World, prims: Primitives, visible: dict[str, torch.Tensor], or
     thing = torch.where(windows[:, None], torch.tensor([0.16, 0.2, 0.28]), thing)
     base = torch.where((ids == _GROUND_ID)[:, None], ground, thing)
 
-    lambert = (n @ sun).clamp(min=0.0)
+    lambert = (n * sun).sum(-1).clamp(min=0.0)
     shadow = torch.ones_like(lambert)
     # Shadows only where fog leaves something to see (this also bounds the shadow bins' extent).
     lit = ((lambert > 0) & (ts < world.fog_distance)).nonzero().squeeze(1)
     if lit.numel():
         starts = p[lit] + _SHADOW_BIAS * n[lit]
+        start_frame = frame_of[surface_rows][lit]
         blocked, _, _, _ = _cast(prims, visible, starts, sun.expand(len(lit), 3),
-                                 lambda c, r: _sun_pairs(sun, starts, c, r), ground_y=None)
+                                 lambda mask, c, r: _sun_pairs(sun, starts, start_frame, mask, c, r), ground_y=None)
         shadow[lit] = torch.isinf(blocked).to(torch.float32)
     sky_light = torch.lerp(horizon, zenith, 0.25 - 0.25 * n[:, 1:2].clamp(-1, 1))
     light = (style.ambient * sky_light
