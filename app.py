@@ -23,8 +23,11 @@ from __future__ import annotations
 import spaces  # noqa: F401  (first: on ZeroGPU it must be imported before anything initialises CUDA)
 
 import argparse
+import asyncio
+import atexit
 import contextlib
 import os
+import signal
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -48,6 +51,7 @@ from lingbot_core.precision import AUTO, DTYPE_CHOICES
 from lingbot_core.startup import StartupLog
 from lingbot_core.serving.engine import Engine, EngineConfig
 from lingbot_core.serving.streaming import LiveService, StreamConfig, StreamError, check_seed
+from lingbot_core.workdir import WorkFolder
 
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE / "examples"
@@ -236,6 +240,7 @@ def generate_offline(pipeline, image, prompt, seed, script_text, script_file, po
 class DemoApp:
     demo: gr.Blocks
     service: LiveService
+    workdir: WorkFolder | None = None  # removed on close when the app owns it
 
     def launch(self, **kwargs):
         """demo.launch with the page's key capture script and styles."""
@@ -246,19 +251,27 @@ class DemoApp:
     def close(self) -> None:
         """Stop the server and every stream; the engine stays with its owner."""
         with contextlib.suppress(Exception):
-            self.demo.close()
+            self.demo.close()  # with delete_cache set, Gradio also deletes every file it cached
         self.service.shutdown()
+        if self.workdir is not None:
+            self.workdir.remove()
 
 
 def start_image(**kwargs) -> gr.Image:
-    """A gr.Image whose unreadable uploads fail with a plain message rather than a preprocessing report.
+    """A gr.Image that hands over the uploaded file as it is, for lingbot_core/image.py to judge.
 
-    The instance's preprocess is wrapped (a subclass would make Gradio write an app.pyi stub).
+    image_mode=None with type="filepath": Gradio only reads the header and passes the path on (its default
+    image_mode="RGB" decodes and converts every upload, a 12000x12000 1-bit PNG included, before any
+    check of ours). Inline data: URLs would be decoded whole by Gradio, so they are refused. Unreadable
+    uploads fail with a plain message rather than a preprocessing report. The instance's preprocess is
+    wrapped (a subclass would make Gradio write an app.pyi stub).
     """
-    component = gr.Image(type="filepath", sources=["upload"], **kwargs)
+    component = gr.Image(type="filepath", image_mode=None, sources=["upload"], **kwargs)
     preprocess = component.preprocess
 
     def checked(payload):
+        if payload is not None and str(getattr(payload, "url", None) or "").startswith("data:"):
+            raise gr.Error("send the image as an uploaded file, not as an inline data: URL", print_exception=False)
         try:
             return preprocess(payload)
         except gr.Error:
@@ -277,69 +290,119 @@ def _user_error(exc: StreamError) -> gr.Error:
     return gr.Error(str(exc), print_exception=False)
 
 
-def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(), workdir: Path | None = None,
-               offline_max_blocks: int = 64) -> DemoApp:
+def unread_updates(demo: gr.Blocks, session_hash: str) -> int:
+    """Messages Gradio holds for a session that no client has fetched yet (0 once a reader drains them).
+
+    Reads Gradio's queue (a private attribute, checked by tests/test_hardening.py): a fire-and-forget
+    POST /call/start never fetches its results, and only this count tells the app so.
+    """
+    messages = demo._queue.pending_messages_per_session.get(session_hash)
+    return messages.qsize() if messages is not None else 0
+
+
+def release_ended_streams(demo: gr.Blocks, session_hash: str) -> int:
+    """Drop Gradio's finished video streams of one session; returns how many runs were dropped.
+
+    Gradio keeps every HLS segment of a stream in memory so the playlist can be fetched after the run,
+    and frees them only when a page's heartbeat connection closes; API clients have none. A run whose
+    streams have all ended is dropped here, some time after its world closed (StreamConfig.keep_ended_stream_s).
+    """
+    runs = demo.pending_streams.get(session_hash)
+    if not runs:
+        return 0
+    ended = [run for run, streams in runs.items() if all(stream.ended for stream in streams.values())]
+    for run in ended:
+        del runs[run]
+    if not runs:
+        demo.pending_streams.pop(session_hash, None)
+    return len(ended)
+
+
+def _viewer(request: gr.Request) -> str | None:
+    """Who is calling: the Gradio session hash, the same for a page and for one gradio_client.Client."""
+    return request.session_hash if request is not None else None
+
+
+def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
+               workdir: Path | WorkFolder | None = None, offline_max_blocks: int = 64,
+               delete_cache: tuple[int, int] = (600, 3600)) -> DemoApp:
+    """The page and API over one engine.
+
+    workdir: where recordings and offline MP4s go. A WorkFolder (or None: a new one) belongs to the app
+    and is removed by DemoApp.close; a plain path stays the caller's. delete_cache: Gradio's (every,
+    older than) seconds for removing its cached uploads and downloads.
+    """
     config = engine.pipeline.config
-    workdir = Path(workdir or tempfile.mkdtemp(prefix="lingbot-app-"))
+    owned = workdir if isinstance(workdir, WorkFolder) else (WorkFolder.create() if workdir is None else None)
+    workdir = owned.path if owned is not None else Path(workdir)
     service = LiveService(engine, workdir / "recordings", stream_config)
 
     async def start(image, prompt, seed, request: gr.Request):
+        viewer = _viewer(request)
+        address = getattr(request.client, "host", None) if request is not None else None
+        stream = service.stream(image, prompt, seed, viewer, address,
+                                unread=(lambda: unread_updates(demo, viewer)) if viewer else None)
         try:
-            async with contextlib.aclosing(service.stream(image, prompt, seed, request.session_hash)) as updates:
+            async with contextlib.aclosing(stream) as updates:
                 async for update in updates:
                     yield (str(update.segment) if update.segment else gr.skip(), update.telemetry,
                            update.session_id or "")
         except StreamError as exc:
             raise _user_error(exc) from None
+        finally:
+            if viewer:  # Gradio ends this run's video stream after we return; free its segments later
+                with contextlib.suppress(RuntimeError):  # no running loop: the server is gone anyway
+                    asyncio.get_running_loop().call_later(stream_config.keep_ended_stream_s,
+                                                          release_ended_streams, demo, viewer)
 
-    def act_from_page(session_id, events):
+    def act_from_page(session_id, events, request: gr.Request):
         """The page's key events: problems become a toast, not an error state."""
         if session_id and events not in (None, "", "[]"):
             try:
-                service.act(session_id, events)
+                service.act(session_id, events, _viewer(request))
             except StreamError as exc:
                 gr.Warning(str(exc))
         return gr.skip()
 
-    def playhead_from_page(session_id, seconds):
+    def playhead_from_page(session_id, seconds, request: gr.Request):
         if session_id and seconds:
             with contextlib.suppress(StreamError):  # a report for a session that just ended
-                service.report_playhead(session_id, seconds)
+                service.report_playhead(session_id, seconds, _viewer(request))
         return gr.skip()
 
-    def act(session_id: str, events: str) -> str:
+    def act(session_id: str, events: str, request: gr.Request) -> str:
         """Post one event or a JSON list of events, e.g. {"event_id": 1, "keys": ["w"]} (held keys) or
         {"event_id": 2, "frames": [["w"], ["w", "j"], []]} (one block). Ids must increase."""
         try:
-            return service.act(session_id, events)
+            return service.act(session_id, events, _viewer(request))
         except StreamError as exc:
             raise _user_error(exc) from None
 
-    def stop(session_id: str) -> str:
+    def stop(session_id: str, request: gr.Request) -> str:
         """Stop a session (its rollout stays downloadable)."""
         try:
-            return service.stop(session_id)
+            return service.stop(session_id, _viewer(request))
         except StreamError as exc:
             raise _user_error(exc) from None
 
-    def stop_from_page(session_id):
+    def stop_from_page(session_id, request: gr.Request):
         """Stop, and offer the rollout for download at once."""
         try:
-            message = service.stop(session_id)
-            mp4, replay = service.download(session_id)
+            message = service.stop(session_id, _viewer(request))
+            mp4, replay = service.download(session_id, _viewer(request))
         except StreamError as exc:
             return (str(exc) if session_id else "stopped"), None, None
         return message, str(mp4), str(replay)
 
-    def reset(session_id, image, prompt, seed):
+    def reset(session_id, image, prompt, seed, request: gr.Request):
         try:
-            return service.reset(session_id, image, prompt, seed)
+            return service.reset(session_id, image, prompt, seed, _viewer(request))
         except StreamError as exc:
             raise _user_error(exc) from None
 
-    def download(session_id):
+    def download(session_id, request: gr.Request):
         try:
-            mp4, replay = service.download(session_id)
+            mp4, replay = service.download(session_id, _viewer(request))
         except StreamError as exc:
             raise _user_error(exc) from None
         return str(mp4), str(replay)
@@ -361,14 +424,15 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(), 
     def close_tab(request: gr.Request):
         service.close_viewer(request.session_hash)
 
-    with gr.Blocks(title="LingBot-World v2") as demo:
+    with gr.Blocks(title="LingBot-World v2", delete_cache=delete_cache) as demo:
         gr.Markdown(_header(config, engine))
         with gr.Tab("Play"):
             with gr.Row():
                 with gr.Column(scale=2):
                     image = start_image(label="Start image", height=260)
                     prompt = gr.Textbox(label="Prompt", value="a forest path in spring, sunlight", max_lines=3)
-                    seed = gr.Number(label="Seed", value=0, precision=0, minimum=0)
+                    # No rounding (precision=None): check_seed refuses 1.5 instead of playing seed 2.
+                    seed = gr.Number(label="Seed", value=0)
                     gr.Examples([[str(EXAMPLES / "forest.png"), "a forest path in spring, sunlight"],
                                  [str(EXAMPLES / "village.png"), "a quiet village street at dusk"]],
                                 inputs=[image, prompt])
@@ -444,7 +508,7 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(), 
         gr.api(act, api_name="act", concurrency_limit=1, concurrency_id="act")
         gr.api(stop, api_name="stop")
         demo.unload(close_tab)
-    return DemoApp(demo, service)
+    return DemoApp(demo, service, owned)
 
 
 def _header(config, engine: Engine) -> str:
@@ -482,9 +546,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--offline-max-blocks", type=int, default=64)
     parser.add_argument("--host", help="default $GRADIO_SERVER_NAME or 127.0.0.1")
     parser.add_argument("--port", type=int, help="default $GRADIO_SERVER_PORT or 7860")
+    parser.add_argument("--max-per-address", type=int, default=StreamConfig.max_streams_per_address,
+                        help="worlds or places in line one client IP address may hold at once")
     args = parser.parse_args(argv)
 
+    # Everything this process writes, Gradio's cache included (unless GRADIO_TEMP_DIR is set), goes in one
+    # work folder that is removed on exit; folders left by dead processes are removed first. SIGTERM
+    # stops the server as Ctrl-C does, so the cleanup runs.
+    workdir = WorkFolder.create()
+    atexit.register(workdir.remove)
+    os.environ.setdefault("GRADIO_TEMP_DIR", str(workdir.path / "gradio"))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     log = StartupLog()
+    if workdir.swept:
+        log.note(f"removed {len(workdir.swept)} work folder(s) left by ended processes")
     log.note(f"starting: torch {torch.__version__}, {torch.get_num_threads()} threads, "
              f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {keep_freed_memory()}")
     budget = int(args.memory_budget_gib * 2**30) if args.memory_budget_gib else None
@@ -494,8 +569,9 @@ def main(argv: list[str] | None = None) -> None:
                            engine_config=EngineConfig(memory_budget_bytes=budget, max_sessions=max_sessions,
                                                       idle_ttl_s=args.idle_ttl))
     with log.stage("build the page"):
-        app = build_demo(engine, stream_config=StreamConfig(input_idle_s=args.idle_ttl),
-                         offline_max_blocks=args.offline_max_blocks)
+        app = build_demo(engine, stream_config=StreamConfig(input_idle_s=args.idle_ttl,
+                                                            max_streams_per_address=args.max_per_address),
+                         offline_max_blocks=args.offline_max_blocks, workdir=workdir)
     try:
         _, url, _ = app.launch(server_name=args.host, server_port=args.port, prevent_thread_lock=True)
         log.note(f"ready at {url} ({engine.capacity} worlds at once)")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .model.camera import VALID_KEYS
+from .user_text import check_text, quote
 
 MAX_EVENT_LINE_BYTES = 64 * 1024
 
@@ -43,9 +44,9 @@ def _keys(value, where: str) -> frozenset[str]:
         raise EventError(f"{where} must be a list of keys, got {type(value).__name__}")
     for key in value:
         if not isinstance(key, str):
-            raise EventError(f"{where} holds {key!r}; keys are strings from {''.join(sorted(VALID_KEYS))}")
+            raise EventError(f"{where} holds {quote(key)}; keys are strings from {''.join(sorted(VALID_KEYS))}")
         if key not in VALID_KEYS:
-            raise EventError(f"{where} holds unknown key {key!r}; valid keys are {', '.join(sorted(VALID_KEYS))}")
+            raise EventError(f"{where} holds unknown key {quote(key)}; valid keys are {', '.join(sorted(VALID_KEYS))}")
     return frozenset(value)
 
 
@@ -55,13 +56,18 @@ def parse_event(raw: object, frames_per_block: int) -> Event:
         raise EventError(f"an event must be a JSON object, got {type(raw).__name__}")
     unknown = set(raw) - {"event_id", "frames", "keys", "prompt"}
     if unknown:
-        raise EventError(f"unknown event fields: {sorted(unknown)}")
+        raise EventError(f"unknown event fields: {quote(sorted(unknown))}")
     event_id = raw.get("event_id")
     if isinstance(event_id, bool) or not isinstance(event_id, int) or event_id < 0:
-        raise EventError(f"event_id must be a non-negative integer, got {event_id!r}")
+        raise EventError(f"event_id must be a non-negative integer, got {quote(event_id)}")
     prompt = raw.get("prompt")
     if prompt is not None and not isinstance(prompt, str):
         raise EventError(f"prompt must be a string, got {type(prompt).__name__}")
+    if prompt is not None:
+        try:  # text no encoder can write would fail in the tokenizer on every later block
+            check_text(prompt, f"event {event_id} prompt")
+        except ValueError as exc:
+            raise EventError(str(exc)) from None
     if ("frames" in raw) == ("keys" in raw):
         raise EventError(f"event {event_id} must have exactly one of 'frames' (a script) or 'keys' (held keys)")
     if "keys" in raw:
@@ -76,11 +82,21 @@ def parse_event(raw: object, frames_per_block: int) -> Event:
 def parse_event_line(line: str | bytes, frames_per_block: int) -> Event:
     if len(line) > MAX_EVENT_LINE_BYTES:
         raise EventError(f"an event line is limited to {MAX_EVENT_LINE_BYTES} bytes")
+    return parse_event(decode_json(line), frames_per_block)
+
+
+def decode_json(text: str | bytes) -> object:
+    """json.loads with every failure as an EventError that says what is wrong in plain words."""
     try:
-        raw = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
         raise EventError(f"not valid JSON: {exc}") from None
-    return parse_event(raw, frames_per_block)
+    except UnicodeDecodeError:
+        raise EventError("not valid JSON: the text is not UTF-8") from None
+    except RecursionError:
+        raise EventError("the JSON is nested too deeply to read") from None
+    except ValueError:  # Python's cap on integer digits (int_max_str_digits)
+        raise EventError("the JSON holds a number with too many digits") from None
 
 
 def read_events(text: str, frames_per_block: int) -> list[Event]:

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -21,15 +19,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import app as lingbot_app  # noqa: E402
+from app_driver import FOREST, ROOT, VILLAGE, running_app, stream_outputs, wait_until  # noqa: E402
 from gradio_client import Client, handle_file  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 from lingbot_core.events import read_events  # noqa: E402
 from lingbot_core.generate import controls_from_events, write_rollout  # noqa: E402
-from lingbot_core.image import image_digest, load_image  # noqa: E402
+from lingbot_core.image import fit_image, image_digest, load_image  # noqa: E402
 from lingbot_core.rollout import BlockControl  # noqa: E402
 from lingbot_core.serving.engine import EngineConfig  # noqa: E402
 from lingbot_core.serving.streaming import (LiveService, PlaybackClock, StreamConfig, StreamError,  # noqa: E402
@@ -38,53 +35,13 @@ from lingbot_core.video import count_frames, frames_to_uint8, mp4_segment  # noq
 
 pytestmark = pytest.mark.filterwarnings("ignore:::gradio.queueing")  # pandas deprecations in Gradio's analytics
 
-FOREST = ROOT / "examples" / "forest.png"
-VILLAGE = ROOT / "examples" / "village.png"
-WAIT_S = 120  # generous bound on waits for blocks; never asserted as a timing
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    engine = lingbot_app.create_engine(preset="tiny", engine_config=EngineConfig(max_sessions=2, max_waiting=1,
-                                                                                 idle_ttl_s=120))
     # lead_s large: the API tests take blocks as fast as they come (pacing is tested on its own and in the browser)
-    app = lingbot_app.build_demo(engine, stream_config=StreamConfig(lead_s=1e6),
-                                 workdir=tmp_path_factory.mktemp("app"), offline_max_blocks=16)
-    _, url, _ = app.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True)
-    try:
-        yield url, engine, app
-    finally:
-        app.close()
-        engine.shutdown()
-
-
-def wait_until(predicate, what: str):
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.05)
-
-
-def stream_outputs(job):
-    """Yields (video, telemetry, session_id) as the server sends them."""
-    seen = 0
-    while True:
-        outputs = job.outputs()
-        while seen < len(outputs):
-            yield outputs[seen]
-            seen += 1
-        if job.done():
-            outputs = job.outputs()
-            yield from outputs[seen:]
-            return
-        time.sleep(0.02)
+    with running_app(EngineConfig(max_sessions=2, max_waiting=1, idle_ttl_s=120), StreamConfig(lead_s=1e6),
+                     tmp_path_factory.mktemp("app"), offline_max_blocks=16) as served:
+        yield served
 
 
 def decode(path: Path) -> np.ndarray:
@@ -152,7 +109,7 @@ def test_start_act_stream_stop_and_download_matches_replay(server, tmp_path):
     assert len(replay["blocks"]) == segments
     assert count_frames(mp4) == (config.pixel_frames_for_blocks(segments), float(config.fps))
     assert replay["seed"] == 7 and replay["prompt"] == "a forest path"
-    assert replay["image_sha256"] == image_digest(load_image(FOREST))
+    assert replay["image_sha256"] == image_digest(fit_image(load_image(FOREST), config.height, config.width))
     pressed = [i for i, b in enumerate(replay["blocks"]) if any("w" in f for f in b["frames"])]
     assert pressed and pressed[0] >= 1  # the action reached the world, from a later block on
     assert any(b["frames"] == [["j"], ["j"], []] for b in replay["blocks"])
@@ -182,7 +139,8 @@ def test_reset_starts_a_new_world_in_the_same_stream(server, tmp_path):
     assert [t.split(" · ")[0] for t in after_reset[:3]] == ["block 0", "block 1", "block 2"]
     replay = json.loads(httpx.get(replay_data["url"], timeout=30).text)  # the new world only, as far as recorded
     assert replay["seed"] == 5 and replay["prompt"] == "a village" and len(replay["blocks"]) >= 3
-    assert replay["image_sha256"] == image_digest(load_image(VILLAGE))
+    config = engine.pipeline.config
+    assert replay["image_sha256"] == image_digest(fit_image(load_image(VILLAGE), config.height, config.width))
     mp4 = download(mp4_data["url"], tmp_path / "world2.mp4")
     np.testing.assert_array_equal(decode(mp4), regenerate_as_streamed(engine, VILLAGE, replay, tmp_path))
     assert session_id not in engine.session_ids()
@@ -378,7 +336,7 @@ def test_every_exit_closes_the_engine_session(server, tmp_path, exit_path):
             if exit_path == "tab closed":
                 assert service.close_viewer("tab-1") == 1
             if exit_path == "stop":
-                service.stop(update.session_id)
+                service.stop(update.session_id, "tab-1")
         return None
 
     try:

@@ -77,6 +77,11 @@ VALID_KEYS: frozenset[str] = frozenset("wasdijkl")
 _DEGENERATE_AXIS = 1e-9
 # |det R| below this is treated as a singular rotation block.
 _SINGULAR_DET = 1e-9
+# A pose file's rotation R must be rigid: max |R^T R - I| within this (float32 files sit near 1e-7;
+# a scaled or sheared matrix is far outside it). Translations beyond _MAX_TRANSLATION (in the file's
+# units) are refused: the relative-pose products would overflow long before such a camera means anything.
+_ORTHONORMAL_TOL = 1e-3
+_MAX_TRANSLATION = 1e6
 
 
 class ActionError(ValueError):
@@ -399,7 +404,8 @@ def validate_trajectory(poses: object, intrinsics: object, cfg: CameraConfig = C
                         names: tuple[str, str] = ("poses", "intrinsics")) -> tuple[np.ndarray, np.ndarray]:
     """Value checks for a trajectory from anywhere; returns float64 copies.
 
-    poses [F, 4, 4]: finite, rotation block non-singular with det > 0. intrinsics [F, 4]: finite,
+    poses [F, 4, 4]: finite, rotation block orthonormal (within _ORTHONORMAL_TOL) with det > 0,
+    translations within _MAX_TRANSLATION. intrinsics [F, 4]: finite,
     fx > 0 and fy > 0. F >= 1 and equal in both; each array's values fit max_trajectory_file_bytes.
     """
     checked = []
@@ -428,6 +434,19 @@ def validate_trajectory(poses: object, intrinsics: object, cfg: CameraConfig = C
     if bad.size:
         raise TrajectoryError(f"{names[0]}: frame {bad[0]} rotation is singular or reflected "
                               f"(det {dets[bad[0]]:.3g})")
+    with np.errstate(over="ignore", invalid="ignore"):  # a 1e308-scaled matrix overflows here: refused below
+        rotations = poses[:, :3, :3]
+        drift = np.abs(rotations.transpose(0, 2, 1) @ rotations - np.eye(3)).max(axis=(1, 2))
+    bad = np.flatnonzero(~(drift <= _ORTHONORMAL_TOL))
+    if bad.size:
+        raise TrajectoryError(f"{names[0]}: frame {bad[0]} rotation is not orthonormal (max |R^T R - I| = "
+                              f"{drift[bad[0]]:.3g}, tolerance {_ORTHONORMAL_TOL:g}); poses must be rigid "
+                              "camera-to-world transforms")
+    distances = np.abs(poses[:, :3, 3]).max(axis=1)
+    bad = np.flatnonzero(~(distances <= _MAX_TRANSLATION))
+    if bad.size:
+        raise TrajectoryError(f"{names[0]}: frame {bad[0]} translation {distances[bad[0]]:.3g} is beyond the "
+                              f"limit of {_MAX_TRANSLATION:g}")
     bad = np.flatnonzero(~((intrinsics[:, 0] > 0) & (intrinsics[:, 1] > 0)))
     if bad.size:
         raise TrajectoryError(f"{names[1]}: frame {bad[0]} focal lengths must be positive; "

@@ -46,7 +46,7 @@ import torch
 
 from ..condition_cache import ConditionCache
 from ..events import Event
-from ..image import load_image
+from ..image import fit_image, load_image
 from ..model.text import normalize_prompt
 from ..pipeline import Pipeline
 from ..startup import StartupLog, maybe_stage
@@ -132,6 +132,7 @@ class BlockMessage:
 class ErrorMessage:
     text: str
     fatal: bool  # True: the session is gone
+    waiting_for_input: bool = False  # the session runs no block until new input (or a reset) arrives
 
 
 class _Live:
@@ -280,8 +281,9 @@ class Engine:
         Raises AdmissionRefused when the line is full, and ValueError subclasses for a bad image,
         prompt or seed (nothing is held then).
         """
-        # Bad input fails here, before anything is held or any idle session is evicted for it.
-        picture = load_image(image)
+        # Bad input fails here, before anything is held or any idle session is evicted for it. The image is
+        # decoded and fitted to the frame here, on the caller's thread: never on the model thread.
+        picture = self._fit(image)
         normalize_prompt(prompt, self.pipeline.config.text.max_prompt_chars)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}")
@@ -292,6 +294,17 @@ class Engine:
             if not self._first_and_room_locked(ticket_id):
                 return self._waiting_ticket_locked(ticket_id)
         return self._on_model_thread(lambda: self._open_session(ticket_id, picture, prompt, seed))
+
+    def _fit(self, image):
+        """The start image decoded, checked and cut to the model's frame (ImageError if unusable)."""
+        config = self.pipeline.config
+        return fit_image(load_image(image), config.height, config.width)
+
+    def withdraw(self, ticket_id: str | None) -> None:
+        """Leave the line at once (the viewer went away), rather than after ticket_ttl_s."""
+        with self._lock:
+            if ticket_id is not None and self._waiting.pop(ticket_id, None) is not None:
+                self._changed.notify_all()
 
     def _open_session(self, ticket_id: str | None, picture, prompt: str, seed: int) -> Ticket:
         """The admission's model work; runs under the step lock, so no block or other admission interleaves."""
@@ -374,10 +387,12 @@ class Engine:
 
     def reset(self, session_id: str, image, prompt: str, seed: int) -> None:
         """A new world in the same session: blocks of the old world not yet taken are dropped."""
+        picture = self._fit(image)  # on the caller's thread, like admit's
+
         def work() -> None:
             with self._lock:
                 live = self._live_locked(session_id)
-            live.session.reset(image, prompt, seed)  # model work: outside the table lock
+            live.session.reset(picture, prompt, seed)  # model work: outside the table lock
             with self._lock:
                 live.outbox = deque(m for m in live.outbox if not isinstance(m, BlockMessage))
                 live.waiting_for_input = False
@@ -512,12 +527,23 @@ class Engine:
             try:
                 output = live.session.step()
                 self.conditions.trim()  # the block may have grown a shared stream
-            except Exception as exc:  # the session is intact; tell its consumer and wait for new input
+            except Exception as exc:  # the session is intact; tell its consumer
                 log.warning("session %s: block %d failed: %s", session_id, live.session.block_index, repr(exc))
+                # The events this block tried to apply are dropped, so one poisoned event cannot fail every
+                # later block; the session goes on without them. A block that failed with no new input
+                # waits for some instead of failing again and again.
+                dropped = live.session.drop_failed_events()
+                ids = ", ".join(map(str, dropped))
+                if not dropped:
+                    what = f"block {live.session.block_index} failed"
+                elif len(dropped) == 1:
+                    what = f"event {ids} could not be applied and was dropped"
+                else:
+                    what = f"events {ids} could not be applied and were dropped"
                 with self._lock:
-                    live.waiting_for_input = True
-                    live.outbox.append(ErrorMessage(f"block {live.session.block_index} failed: "
-                                                    f"{type(exc).__name__}: {exc}", fatal=False))
+                    live.waiting_for_input = not dropped
+                    live.outbox.append(ErrorMessage(f"{what}: {type(exc).__name__}: {str(exc)[:300]}",
+                                                    fatal=False, waiting_for_input=not dropped))
                     self._changed.notify_all()
                 return session_id
             block_ms = 1000.0 * (time.perf_counter() - started)

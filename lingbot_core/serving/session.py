@@ -243,6 +243,7 @@ class Session:
         self.event_floor = -1  # id of the last event a committed block applied
         self._last_event_id = -1  # highest id ever accepted: ids increase across blocks and resets
         self.queue: deque[Event] = deque()
+        self._failed_event_ids: tuple[int, ...] = ()  # the input of the last failed block
         self.held_keys: frozenset[str] = frozenset()
         self.last_input = self.last_consumed = clock()
         self.rollout: RolloutState | None = None
@@ -383,6 +384,7 @@ class Session:
                 if not abandoned:
                     self.status = SessionStatus.FAILED
                     self.last_error = f"{type(exc).__name__}: {exc}"
+                    self._failed_event_ids = plan.event_ids
                 rollout = self.rollout if abandoned else None
                 if abandoned:
                     self.rollout = None
@@ -415,6 +417,16 @@ class Session:
             release(self.pool, abandoned)
             raise SessionClosed(f"session {self.session_id} was closed while its block ran")
         return output
+
+    def drop_failed_events(self) -> tuple[int, ...]:
+        """After a failed block: take the events it tried to apply off the queue (their ids stay spent), so
+        the next block runs without them. Returns their ids; () if the block had no new input."""
+        with self._lock:
+            failed, self._failed_event_ids = set(self._failed_event_ids), ()
+            dropped = []
+            while self.queue and self.queue[0].event_id in failed:
+                dropped.append(self.queue.popleft().event_id)
+            return tuple(dropped)
 
     # -- accounting --------------------------------------------------------------------------------
 

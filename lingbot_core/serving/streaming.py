@@ -13,8 +13,15 @@ of the screen: a key pressed u seconds before a take shows up u + lead_s + one b
 1.6 s at 16 FPS). Where blocks take longer than they play, the viewer waits for each block anyway
 and the stream takes blocks as they come: latency is then about 1.5 blocks' compute time.
 
-Every way out (Stop, tab close, input idle, the viewer disconnecting, the engine closing the
-session) closes the engine session. Nothing here holds tensors beyond one block's frames in flight:
+Every way out (Stop, tab close, input idle, the viewer disconnecting, nobody reading the stream,
+the engine closing the session) closes the engine session.
+
+Who may do what: a world belongs to the viewer that started it (its Gradio session hash, the same for
+a page and for one gradio_client.Client); the session id is for display, and a verb from any other
+viewer is refused. A viewer holds at most `max_streams_per_viewer` streams (a world or a place in
+line) and one client address at most `max_streams_per_address`, so a few anonymous requests cannot
+take every seat and every place in line; a stream whose updates nobody reads for `unread_timeout_s`
+gives its seat or place back. Nothing here holds tensors beyond one block's frames in flight:
 the engine owns the sessions; this module keeps session ids, segment files and replay logs.
 """
 
@@ -29,14 +36,15 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import av
 import numpy as np
 
-from ..events import EventError
-from ..image import load_image
+from ..events import MAX_EVENT_LINE_BYTES, EventError, decode_json
+from ..image import fit_image, load_image
 from ..model.text import normalize_prompt
+from ..user_text import check_text, quote
 from ..video import mp4_segment
 from .engine import Admission, AdmissionRefused, BlockMessage, Engine, ErrorMessage, UnknownSession
 from .session import SessionStatus
@@ -60,7 +68,17 @@ class StreamConfig:
     line_poll_s: float = 1.0  # how often a viewer waiting in line asks again (the engine drops silent tickets)
     input_idle_s: float = 120.0  # no action for this long ends the stream and frees the seat
     keep_recordings_s: float = 1800.0  # an ended stream's segments stay downloadable this long
+    keep_ended_stream_s: float = 60.0  # Gradio's in-memory copy of an ended stream (its HLS playlist) this long
     workers: int = 16  # threads for engine calls (they may wait on the model lock) and segment encoding
+    # A stream whose updates have sat unread this long ends: a fire-and-forget API call must not keep a
+    # seat or a place in line. A reading client drains each update within milliseconds.
+    unread_timeout_s: float = 5.0
+    max_streams_per_viewer: int = 1  # worlds or places in line per page / API client (Gradio session)
+    max_streams_per_address: int = 4  # the same per client IP address (app option --max-per-address)
+
+    def __post_init__(self) -> None:
+        if self.max_streams_per_viewer < 1 or self.max_streams_per_address < 1:
+            raise ValueError("max_streams_per_viewer and max_streams_per_address must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -205,28 +223,42 @@ def _load_text(stats: dict[str, Any]) -> str:
 # Input checks
 
 
-def check_start(image, prompt, seed, max_prompt_chars: int) -> tuple[Any, str, int]:
-    """The start inputs, checked before anyone waits in line; raises StreamError naming the problem."""
+def check_start(image, prompt, seed, config) -> tuple[Any, str, int]:
+    """The start inputs, checked before anyone waits in line; raises StreamError naming the problem.
+
+    The image comes back decoded and fitted to the model's frame (`config` is the pipeline's ModelConfig):
+    this is the costly step, so callers run it on a request thread, never the event loop or the model thread.
+    """
     if image is None:
         raise StreamError("upload an image (or pick one of the examples) first")
     try:
-        load_image(image)
-        text = normalize_prompt(prompt, max_prompt_chars)
-    except ValueError as exc:  # ImageError, PromptError
+        # Refused as sent, before any cleaning could hide it: the sender must learn their text is broken.
+        text = normalize_prompt(check_text(prompt, "the prompt") if isinstance(prompt, str) else prompt,
+                                config.text.max_prompt_chars)
+        picture = fit_image(load_image(image), config.height, config.width)
+    except ValueError as exc:  # ImageError, PromptError, text no encoder can write
         raise StreamError(str(exc)) from None
-    return image, text, check_seed(seed)
+    return picture, text, check_seed(seed)
 
 
 def check_seed(seed) -> int:
     if seed is None or seed == "":
         return 0
-    try:
-        value = float(seed)
-    except (TypeError, ValueError):
-        raise StreamError(f"seed must be a whole number, got {seed!r}") from None
-    if not value.is_integer() or not 0 <= value <= MAX_SEED:
-        raise StreamError(f"seed must be a whole number from 0 to {MAX_SEED}, got {seed!r}")
-    return int(value)
+    if isinstance(seed, bool):
+        raise StreamError(f"seed must be a whole number, got {seed!r}")
+    if isinstance(seed, int):  # exact: a float would round seeds above 2**53
+        value = seed
+    else:
+        try:
+            number = float(seed)
+        except (TypeError, ValueError, OverflowError):
+            raise StreamError(f"seed must be a whole number, got {quote(seed)}") from None
+        if not number.is_integer():  # also NaN and infinities
+            raise StreamError(f"seed must be a whole number from 0 to {MAX_SEED}, got {quote(seed)}")
+        value = int(number)
+    if not 0 <= value <= MAX_SEED:
+        raise StreamError(f"seed must be a whole number from 0 to {MAX_SEED}, got {quote(seed)}")
+    return value
 
 
 def parse_actions(events: str | dict | list) -> list[dict]:
@@ -234,10 +266,13 @@ def parse_actions(events: str | dict | list) -> list[dict]:
     if isinstance(events, str):
         if not events.strip():
             return []
+        if len(events) > MAX_EVENTS_PER_CALL * MAX_EVENT_LINE_BYTES:
+            raise StreamError(f"the events text is {len(events)} characters; at most "
+                              f"{MAX_EVENTS_PER_CALL * MAX_EVENT_LINE_BYTES} are accepted in one call")
         try:
-            events = json.loads(events)
-        except json.JSONDecodeError as exc:
-            raise StreamError(f"events are not valid JSON: {exc}") from None
+            events = decode_json(events)
+        except EventError as exc:
+            raise StreamError(f"the events cannot be read: {exc}") from None
     if isinstance(events, dict):
         events = [events]
     if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
@@ -256,7 +291,7 @@ class _Record:
     """What the app keeps per session: small handles only (ids, paths, the replay log object)."""
 
     session_id: str
-    viewer: str | None
+    viewer: str | None  # the Gradio session that started it: the only one whose verbs it obeys
     recording: Recording
     replay: Any = None  # the session's Replay: kept so the download still works after the session closed
     last_input: float = 0.0
@@ -269,9 +304,50 @@ class _Record:
 
 
 @dataclass
+class _Claim:
+    """One running stream, counted against its viewer's and its address's limits while it holds a place
+    in line or a live world."""
+
+    viewer: str | None
+    address: str | None
+    record: _Record | None = None  # set once seated
+    released: bool = False
+
+    @property
+    def held(self) -> bool:
+        return not self.released and (self.record is None or self.record.live)
+
+
+@dataclass
 class _Registry:
     records: dict[str, _Record] = field(default_factory=dict)
+    claims: list[_Claim] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _ReadWatch:
+    """Whether anyone reads a stream: `unread()` counts the updates sent but not yet delivered (None: the
+    transport cannot tell, so the stream counts as read).
+
+    A stream is abandoned when every sample for `timeout_s` saw undelivered updates. Samples are taken
+    only after the stream has awaited something since its last update, so that a live reader has had
+    its turn on the event loop to take that update.
+    """
+
+    def __init__(self, unread: Callable[[], int] | None, clock, timeout_s: float) -> None:
+        self.unread, self.clock, self.timeout_s = unread, clock, timeout_s
+        self.unread_since: float | None = None  # first of the unbroken run of samples with unread updates
+
+    def abandoned(self) -> bool:
+        if self.unread is None:
+            return False
+        now = self.clock()
+        if self.unread() == 0:
+            self.unread_since = None
+            return False
+        if self.unread_since is None:
+            self.unread_since = now
+        return now - self.unread_since > self.timeout_s
 
 
 class LiveService:
@@ -282,8 +358,8 @@ class LiveService:
         self.engine = engine
         self.config = config
         self.clock = clock
-        self.fps = engine.pipeline.config.fps
-        self.max_prompt_chars = engine.pipeline.config.text.max_prompt_chars
+        self.model_config = engine.pipeline.config
+        self.fps = self.model_config.fps
         self.recordings_root = Path(recordings_root)
         self.recordings_root.mkdir(parents=True, exist_ok=True)
         self._registry = _Registry()
@@ -291,29 +367,64 @@ class LiveService:
 
     # -- the stream --------------------------------------------------------------------------------
 
-    async def stream(self, image, prompt, seed, viewer: str | None = None) -> AsyncIterator[StreamUpdate]:
-        """Admit, then yield one update per block until the session ends. Raises StreamError for bad input."""
-        image, prompt, seed = check_start(image, prompt, seed, self.max_prompt_chars)
-        self._background(self.sweep)
-        ticket_id = None
-        while True:
-            ticket = await self._admit(image, prompt, seed, ticket_id)
-            if ticket.admission is Admission.ADMITTED:
-                break
-            ticket_id = ticket.ticket_id
-            stats = await self._call(self.engine.stats)
-            yield StreamUpdate(None, waiting_line(ticket.position, stats), None)
-            await asyncio.sleep(self.config.line_poll_s)
+    async def stream(self, image, prompt, seed, viewer: str | None = None, address: str | None = None,
+                     unread: Callable[[], int] | None = None) -> AsyncIterator[StreamUpdate]:
+        """Admit, then yield one update per block until the session ends. Raises StreamError for bad input.
 
-        session_id = ticket.session_id
-        record = await self._call(self._register, session_id, viewer)
+        viewer: the Gradio session hash (the world obeys only it); address: the client's IP address;
+        unread: how many of this stream's updates wait undelivered (see _ReadWatch).
+        """
+        # Decoding and fitting the image is the costly check: on a worker thread, not the event loop.
+        image, prompt, seed = await self._call(check_start, image, prompt, seed, self.model_config)
+        claim = self._claim(viewer, address)
+        self._background(self.sweep)
+        watch = _ReadWatch(unread, self.clock, self.config.unread_timeout_s)
+        ticket_id, record = None, None
         try:
-            yield StreamUpdate(None, "starting: the first block is on its way", session_id)
-            async for update in self._blocks(record):
+            while True:
+                ticket = await self._admit(image, prompt, seed, ticket_id)
+                if ticket.admission is Admission.ADMITTED:
+                    ticket_id = None
+                    break
+                ticket_id = ticket.ticket_id
+                stats = await self._call(self.engine.stats)
+                yield StreamUpdate(None, waiting_line(ticket.position, stats), None)
+                await asyncio.sleep(self.config.line_poll_s)
+                if watch.abandoned():  # nobody reads: give the place in line back now
+                    return
+
+            record = await self._call(self._register, ticket.session_id, viewer)
+            claim.record = record
+            yield StreamUpdate(None, "starting: the first block is on its way", record.session_id)
+            async for update in self._blocks(record, watch):
                 yield update
         finally:
-            record.streaming = False
-            self._background(self._end, record, "the stream ended")
+            self._release(claim)
+            if ticket_id is not None:
+                self._background(self.engine.withdraw, ticket_id)
+            if record is not None:
+                record.streaming = False
+                self._background(self._end, record, "the stream ended")
+
+    def _claim(self, viewer: str | None, address: str | None) -> _Claim:
+        """Count a new stream against its viewer's and address's limits; StreamError when one is reached."""
+        cfg = self.config
+        with self._registry.lock:
+            held = [c for c in self._registry.claims if c.held]
+            if viewer is not None and sum(c.viewer == viewer for c in held) >= cfg.max_streams_per_viewer:
+                raise StreamError("this page (or API client) already has a world running or waiting for a seat; "
+                                  "press Stop first, or Reset for a new world in the same stream")
+            if address is not None and sum(c.address == address for c in held) >= cfg.max_streams_per_address:
+                raise StreamError(f"your address already holds {cfg.max_streams_per_address} worlds or places in "
+                                  "line, the most one address may hold; stop one first")
+            claim = _Claim(viewer, address)
+            self._registry.claims = [c for c in self._registry.claims if c.held] + [claim]
+        return claim
+
+    def _release(self, claim: _Claim) -> None:
+        with self._registry.lock:
+            claim.released = True
+            self._registry.claims = [c for c in self._registry.claims if c.held]
 
     async def _admit(self, image, prompt: str, seed: int, ticket_id: str | None):
         future = asyncio.ensure_future(self._call(self.engine.admit, image, prompt, seed, ticket_id))
@@ -334,11 +445,15 @@ class LiveService:
         ticket = future.result()
         if ticket.admission is Admission.ADMITTED:
             self._background(self.engine.close, ticket.session_id, "the viewer left while it was starting")
+        else:
+            self._background(self.engine.withdraw, ticket.ticket_id)
 
-    async def _blocks(self, record: _Record) -> AsyncIterator[StreamUpdate]:
+    async def _blocks(self, record: _Record, watch: _ReadWatch) -> AsyncIterator[StreamUpdate]:
         cfg = self.config
         clock = PlaybackClock(cfg.delivery_s)
         session_id = record.session_id
+        abandoned = f"nobody read the stream for {cfg.unread_timeout_s:g} s"
+        just_sent = True  # an update was sent and nothing awaited since: its reader may not have had a turn
         while True:
             if not record.live:  # closed by this app: Stop, tab closed, shutdown
                 yield StreamUpdate(None, f"stopped: {record.closing_reason}", session_id, True)
@@ -349,6 +464,10 @@ class LiveService:
                 await self._call(self._end, record, reason)
                 yield StreamUpdate(None, f"stopped: {reason}; press Start to play again", session_id, True)
                 return
+            if not just_sent and watch.abandoned():  # nobody reads (a fire-and-forget API call): free the seat
+                await self._call(self._end, record, abandoned)
+                return
+            just_sent = False
             if record.playhead is not None:
                 clock.observe(record.playhead[1], record.playhead[0])
             wait = clock.wait_before_next(now, cfg.lead_s)
@@ -368,7 +487,9 @@ class LiveService:
                     text = record.closing_reason or message.text.removeprefix("session closed: ")
                     yield StreamUpdate(None, f"stopped: {text}", session_id, True)
                     return
-                yield StreamUpdate(None, f"{message.text}; press a key or Reset to try again", session_id)
+                hint = "; press a key or Reset to try again" if message.waiting_for_input else "; the world goes on"
+                yield StreamUpdate(None, message.text + hint, session_id)
+                just_sent = True
                 continue
             if message.block_index == 0 and record.recording.segments:  # a reset started a new world
                 record.recording.new_world()
@@ -379,8 +500,13 @@ class LiveService:
                 if record.live:
                     raise
                 continue  # the viewer left and its recording went with it: the loop ends above
+            telemetry = await self._call(self._telemetry, message, frames, session_id)
+            if watch.abandoned():  # sampled after the awaits above, so a reader has had its turn
+                await self._call(self._end, record, abandoned)
+                return
             clock.on_sent(frames / self.fps, self.clock())
-            yield StreamUpdate(segment, await self._call(self._telemetry, message, frames, session_id), session_id)
+            yield StreamUpdate(segment, telemetry, session_id)
+            just_sent = True
 
     def _record_block(self, record: _Record, message: BlockMessage) -> tuple[Path, int]:
         """Encode one block as the next segment of the recording; returns it and its frame count."""
@@ -425,13 +551,17 @@ class LiveService:
             self._registry.records[session_id] = record
         return record
 
-    def _record(self, session_id: str) -> _Record:
+    def _record(self, session_id: str, viewer: str | None) -> _Record:
+        """The session's record, for the viewer that started it only (its id is shown, so it is no key)."""
         if not isinstance(session_id, str) or not session_id.strip():
             raise StreamError("no session: press Start first")
         with self._registry.lock:
             record = self._registry.records.get(session_id.strip())
         if record is None:
-            raise StreamError(f"no session {session_id!r} here: it ended long ago or never existed")
+            raise StreamError(f"no session {quote(session_id)} here: it ended long ago or never existed")
+        if record.viewer != viewer:
+            raise StreamError(f"session {quote(session_id)} belongs to the page or API client that started it; "
+                              "only that one may control or download it")
         return record
 
     def _end(self, record: _Record, reason: str) -> None:
@@ -444,6 +574,7 @@ class LiveService:
         self.engine.close(record.session_id, reason)
         if record.discarded and not record.streaming:
             shutil.rmtree(record.recording.root, ignore_errors=True)
+        self.sweep()  # a quiet server forgets old recordings too, not only when a new stream starts
 
     def sweep(self) -> None:
         """Forget ended sessions whose recordings are older than keep_recordings_s."""
@@ -462,9 +593,9 @@ class LiveService:
 
     # -- verbs for buttons and the API -------------------------------------------------------------
 
-    def act(self, session_id: str, events) -> str:
+    def act(self, session_id: str, events, viewer: str | None = None) -> str:
         """Post one event or a list of them to a live session, in order."""
-        record = self._record(session_id)
+        record = self._record(session_id, viewer)
         items = parse_actions(events)
         for number, raw in enumerate(items):
             try:
@@ -478,26 +609,26 @@ class LiveService:
         record.last_input = self.clock()
         return f"queued {len(items)} event(s)"
 
-    def report_playhead(self, session_id: str, playhead_s) -> None:
+    def report_playhead(self, session_id: str, playhead_s, viewer: str | None = None) -> None:
         """The player's currentTime, reported while it plays; the stream paces to it."""
         try:
             value = float(playhead_s)
-        except (TypeError, ValueError):
-            raise StreamError(f"playhead must be a number of seconds, got {playhead_s!r}") from None
+        except (TypeError, ValueError, OverflowError):
+            raise StreamError(f"playhead must be a number of seconds, got {quote(playhead_s)}") from None
         if not value >= 0.0 or value == float("inf"):
-            raise StreamError(f"playhead must be a finite number of seconds >= 0, got {playhead_s!r}")
-        self._record(session_id).playhead = (self.clock(), value)
+            raise StreamError(f"playhead must be a finite number of seconds >= 0, got {quote(playhead_s)}")
+        self._record(session_id, viewer).playhead = (self.clock(), value)
 
-    def stop(self, session_id: str) -> str:
-        record = self._record(session_id)
+    def stop(self, session_id: str, viewer: str | None = None) -> str:
+        record = self._record(session_id, viewer)
         self._end(record, "stopped by the user")
         blocks = len(record.recording.segments)
         return f"stopped after {blocks} block(s) of this world; the rollout can be downloaded"
 
-    def reset(self, session_id: str, image, prompt, seed) -> str:
+    def reset(self, session_id: str, image, prompt, seed, viewer: str | None = None) -> str:
         """A new world (image, prompt, seed) in the same session and the same stream."""
-        record = self._record(session_id)
-        image, prompt, seed = check_start(image, prompt, seed, self.max_prompt_chars)
+        record = self._record(session_id, viewer)
+        image, prompt, seed = check_start(image, prompt, seed, self.model_config)
         try:
             self.engine.reset(record.session_id, image, prompt, seed)
         except UnknownSession:
@@ -507,9 +638,16 @@ class LiveService:
         record.last_input = self.clock()
         return f"reset: a new world from seed {seed}"
 
-    def download(self, session_id: str) -> tuple[Path, Path]:
-        """The current world so far (or as it ended) as one MP4, and its replay JSON cut to the same blocks."""
-        record = self._record(session_id)
+    def download(self, session_id: str, viewer: str | None = None) -> tuple[Path, Path]:
+        """The current world so far (or as it ended) as one MP4, and its replay JSON cut to the same blocks.
+
+        Two exports at most are kept per session: Gradio copies each into its own cache as it answers,
+        so an older one is only disk space (the previous one stays, in case its copy is still running).
+        """
+        record = self._record(session_id, viewer)
+        exports = sorted(record.recording.root.glob("export-*"), key=lambda path: path.stat().st_mtime_ns)
+        for old in exports[:-1]:
+            shutil.rmtree(old, ignore_errors=True)
         out_dir = record.recording.root / f"export-{uuid.uuid4().hex[:8]}"
         out_dir.mkdir()
         stem = f"lingbot-{record.session_id[:8]}-world{record.recording.world}"
