@@ -161,7 +161,7 @@ def test_a_clip_renders_the_same_pixels_as_its_frames_alone():
     # the same up to float rounding (vector kernels round a tensor's tail elements differently).
     world = make_world(SEED)
     path = key_path(held_keys(["", "wl", "wj"], FPB), EMBEDDED)
-    poses = path.pixel_poses[::5]
+    poses = path.pixel_poses[::8]
     clip = render_buffers(world, poses, K, W, H)
     for index, pose in enumerate(poses):
         alone = render_buffers(world, pose, K, W, H)
@@ -210,6 +210,21 @@ def test_key_path_is_the_integrators_path_spread_over_pixel_frames():
     assert np.allclose(path.intrinsics, camera.intrinsics_for(EMBEDDED.camera, EMBEDDED.width, EMBEDDED.height))
 
 
+def test_renderer_rays_are_the_rays_the_model_is_told_about():
+    # Block 0 of a session: anchor and pose are the start pose, so the Plücker direction channels are
+    # the camera-frame rays of the intrinsics the rollout hands plucker_block. The renderer must cast
+    # exactly those rays through key_path's intrinsics.
+    cfg, width, height = EMBEDDED.camera, EMBEDDED.width, EMBEDDED.height
+    reference = camera.reference_intrinsics(cfg, 1, width, height)
+    told = camera.plucker_block(np.eye(4), np.eye(4)[None], reference, width, height, cfg)[0, 3:]  # [3, H, W]
+    fx, fy, cx, cy = key_path(held_keys([""], FPB), EMBEDDED).intrinsics
+    xs = (np.arange(width) + 0.5 - cx) / fx
+    ys = (np.arange(height) + 0.5 - cy) / fy
+    rays = np.stack(np.broadcast_arrays(xs[None, :], ys[:, None], np.ones((height, width))))
+    rays = rays / np.linalg.norm(rays, axis=0, keepdims=True)
+    assert np.allclose(told.numpy(), rays, atol=1e-6)
+
+
 def test_pixel_poses_of_a_single_latent_frame():
     assert np.array_equal(pixel_poses(np.eye(4)[None], 4), np.eye(4)[None])
 
@@ -226,3 +241,33 @@ def test_bad_input_is_refused_with_a_message():
         render(world, np.eye(4), np.array([0.0, 100.0, 80.0, 48.0]), W, H)
     with pytest.raises(camera.TrajectoryError, match="non-finite"):
         render(world, np.full((4, 4), np.nan), K, W, H)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training clips (training/data.py)
+
+
+def test_training_clips_are_reproducible_train_worlds_with_app_like_scripts():
+    from training.data import actions_to_array, array_to_actions, make_clip, sample_script
+
+    small = dataclasses.replace(EMBEDDED, height=32, width=64)
+    a = make_clip(7, 3, small, num_blocks=2, supersample=1)
+    b = make_clip(7, 3, small, num_blocks=2, supersample=1)
+    assert a.world_seed == b.world_seed and a.frame_actions == b.frame_actions
+    assert torch.equal(a.video, b.video)
+    assert seed_split(a.world_seed) == "train"
+    assert a.video.shape == (3, small.pixel_frames_for_blocks(2), 32, 64)
+    assert float(a.video.min()) >= -1.0 and float(a.video.max()) <= 1.0
+    assert len({make_clip(7, i, small, 1, 1).world_seed for i in range(3)}) == 3
+    # The poses are the integrator's for the script.
+    latent, _ = camera.integrate_actions(camera.CameraState.initial(), a.frame_actions, EMBEDDED.camera)
+    assert np.array_equal(a.latent_poses, latent)
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        script = sample_script(rng, 5, FPB)
+        assert len(script) == 5 * FPB
+        assert all(keys == frozenset() for keys in script[:FPB])  # block 0 is still, as in the app
+        for keys in script:
+            assert not ({"w", "s"} <= keys or {"a", "d"} <= keys or {"i", "k"} <= keys or {"j", "l"} <= keys)
+        assert array_to_actions(actions_to_array(script)) == script

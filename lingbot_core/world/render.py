@@ -7,7 +7,7 @@ intrinsics (fx, fy, cx, cy) in pixels of the rendered frame, ray direction R @ (
 
 Per frame, in float32 torch, all rays at once:
 1. cull: objects whose bounding sphere (grown by the reach of its shadow) is beyond the fog
-   cut-off (`World.fog_distance`, where at most 2% of a surface still shows) or outside the view
+   cut-off (`World.fog_distance`, where at most 3% of a surface still shows) or outside the view
    cone are dropped;
 2. primary hits: the nearest front-facing hit over the ground plane and every primitive, each
    solved analytically; a ray is only paired with the primitives whose projected bounding sphere
@@ -71,10 +71,8 @@ def render_buffers(world: World, poses: np.ndarray, intrinsics: np.ndarray, widt
     renders the same pixels as its frames rendered one at a time.
     """
     poses, intrinsics = _check(poses, intrinsics, width, height)
-    reach = world.fog_distance
     # Every object a frame could show, or whose shadow it could show, in one draw for the clip.
-    tallest = 2.0 * world.config.eye_height + 2.5  # generous: no object kind is taller than this
-    prims = objects_near(world, poses[:, [0, 2], 3], reach + tallest * (1.0 + world.sun_slope))
+    prims = objects_near(world, poses[:, [0, 2], 3], world.fog_distance + world.object_reach)
     batch = max(1, _RAYS_PER_BATCH // (width * height))
     parts = [_render_batch(world, prims, poses[i:i + batch], intrinsics[i:i + batch], width, height)
              for i in range(0, len(poses), batch)]

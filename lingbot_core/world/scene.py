@@ -41,6 +41,8 @@ _CELL_OFFSET = 2**40
 _STREAM_LOOK, _STREAM_CELL, _STREAM_SHAPE, _STREAM_START = 0, 1, 2, 3
 # Object index within a cell: drawn objects use 0.._START_INDEX-1, start objects _START_INDEX and up.
 _START_INDEX = 120
+# No object at scale 1 is taller than 1.86 (a pillar and its cap) or has a bounding radius above that.
+_MAX_EXTENT_AT_SCALE_1 = 1.86
 
 
 def seed_split(seed: int) -> str:
@@ -75,8 +77,8 @@ class WorldConfig:
     # Fog: colour -> horizon colour with 1 - exp(-density * max(t - fog_start, 0)); objects beyond the
     # distance where fog reaches fog_cutoff are not intersected at all.
     fog_start: float = 2.0
-    fog_density_range: tuple[float, float] = (0.12, 0.22)
-    fog_cutoff: float = 0.98
+    fog_density_range: tuple[float, float] = (0.15, 0.26)
+    fog_cutoff: float = 0.97
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,11 @@ class World:
         return self.config.fog_start + math.log(1.0 / (1.0 - self.config.fog_cutoff)) / self.style.fog_density
 
     @property
+    def object_reach(self) -> float:
+        """An upper bound on any object's bounding radius plus the length of its shadow."""
+        return self.config.object_scale * _MAX_EXTENT_AT_SCALE_1 * (1.0 + self.sun_slope)
+
+    @property
     def sun_slope(self) -> float:
         """Horizontal length of the shadow of a unit of height."""
         sun = self.style.sun_direction
@@ -193,7 +200,7 @@ _GROUNDS = (
 def _draw_style(rng: np.random.Generator, config: WorldConfig) -> WorldStyle:
     sky = _SKIES[rng.integers(len(_SKIES))]
     ground = _GROUNDS[rng.integers(len(_GROUNDS))]
-    elevation = math.radians(rng.uniform(15.0, 55.0))
+    elevation = math.radians(rng.uniform(25.0, 60.0))
     azimuth = rng.uniform(-math.pi, math.pi)
     # Up is -y: a sun at elevation e has y = -sin(e).
     sun = (math.cos(elevation) * math.sin(azimuth), -math.sin(elevation), math.cos(elevation) * math.cos(azimuth))

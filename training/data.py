@@ -1,0 +1,175 @@
+"""Training clips: rendered videos of train-range worlds with the key actions, poses and intrinsics behind them.
+
+    python -m training.data --out out/clips --clips 64 [--blocks 4] [--data-seed 0] [--start 0]
+                            [--size 128x224] [--supersample 2] [--workers 2]
+
+Clip i of a data seed is a pure function of (data_seed, i): its world seed (drawn from TRAIN_SEEDS
+only), its key script and so its pixels. A dataset is therefore reproducible from its seed and
+resumable from any index (`--start`), and two workers never need to coordinate.
+
+A key script mirrors the app: block 0 carries no key (keys act from the next block on), every
+later block holds a key set (none, one key, or two keys that do not cancel), and some blocks press
+it for only part of the block. Poses come from the camera module's integrator (`key_path`), so the
+Plücker maps computed from `frame_actions` in training are exactly the demo's.
+
+The command writes one `clip_<i>.npz` per clip: `video` uint8 [T, H, W, 3] (T = 12N - 3 pixel frames),
+`actions` uint8 [L, 8] (one row per latent frame, columns in KEY_ORDER), `latent_poses` [L, 4, 4]
+(pixel poses follow with `world.pixel_poses`), `intrinsics` [4] (fx, fy, cx, cy in pixels), `world_seed`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from lingbot_core.config import PRESETS, ModelConfig
+from lingbot_core.world import TRAIN_SEEDS, key_path, make_world, render
+
+KEY_ORDER = "wasdijkl"
+_OPPOSITE = {"w": "s", "s": "w", "a": "d", "d": "a", "i": "k", "k": "i", "j": "l", "l": "j"}
+# How often each key is chosen; forward walking and turning dominate play, pitch is rarer (and
+# balanced, so the view does not drift to the sky).
+_KEY_WEIGHTS = {"w": 0.24, "s": 0.08, "a": 0.08, "d": 0.08, "i": 0.06, "k": 0.06, "j": 0.2, "l": 0.2}
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptConfig:
+    """Probabilities of the key script sampler."""
+
+    still: float = 0.12  # a block without keys
+    pair: float = 0.3  # a block with two keys (otherwise one)
+    partial: float = 0.25  # the block's keys are pressed for a contiguous part of it only
+
+
+class Clip(NamedTuple):
+    world_seed: int
+    frame_actions: tuple[frozenset[str], ...]  # one key set per latent frame
+    video: torch.Tensor  # [3, T, H, W] float32 in [-1, 1], the VAE's input layout
+    latent_poses: np.ndarray  # [L, 4, 4]
+    pixel_poses: np.ndarray  # [T, 4, 4]
+    intrinsics: np.ndarray  # [4] in pixels of the frame
+
+
+def sample_script(rng: np.random.Generator, num_blocks: int, frames_per_block: int,
+                  cfg: ScriptConfig = ScriptConfig()) -> tuple[frozenset[str], ...]:
+    """Per-latent-frame key sets for `num_blocks` blocks; block 0 is always still."""
+    keys, weights = list(_KEY_WEIGHTS), np.array(list(_KEY_WEIGHTS.values()))
+    frames: list[frozenset[str]] = [frozenset()] * frames_per_block
+    for _ in range(1, num_blocks):
+        held: set[str] = set()
+        if rng.random() >= cfg.still:
+            first = keys[rng.choice(len(keys), p=weights / weights.sum())]
+            held.add(first)
+            if rng.random() < cfg.pair:
+                allowed = [k != first and k != _OPPOSITE[first] for k in keys]
+                p = weights * allowed
+                held.add(keys[rng.choice(len(keys), p=p / p.sum())])
+        block = [frozenset(held)] * frames_per_block
+        if held and rng.random() < cfg.partial:
+            start = int(rng.integers(frames_per_block))
+            stop = int(rng.integers(start + 1, frames_per_block + 1))
+            block = [frozenset(held) if start <= f < stop else frozenset() for f in range(frames_per_block)]
+        frames.extend(block)
+    return tuple(frames)
+
+
+def clip_rng(data_seed: int, index: int) -> np.random.Generator:
+    return np.random.default_rng([int(data_seed), int(index)])
+
+
+def make_clip(data_seed: int, index: int, config: ModelConfig, num_blocks: int, supersample: int = 2,
+              script: ScriptConfig = ScriptConfig()) -> Clip:
+    """Clip `index` of `data_seed`: a train world, a key script, and its rendered pixel frames."""
+    if num_blocks < 1:
+        raise ValueError(f"a clip needs at least one block; got {num_blocks}")
+    rng = clip_rng(data_seed, index)
+    world_seed = int(TRAIN_SEEDS.start + rng.integers(len(TRAIN_SEEDS)))
+    actions = sample_script(rng, num_blocks, config.transformer.num_frames_per_block, script)
+    path = key_path(actions, config)
+    rgb = render(make_world(world_seed), path.pixel_poses, path.intrinsics, config.width, config.height, supersample)
+    video = (rgb * 2.0 - 1.0).permute(1, 0, 2, 3).contiguous()  # [3, T, H, W] in [-1, 1]
+    return Clip(world_seed, path.frame_actions, video, path.latent_poses, path.pixel_poses, path.intrinsics)
+
+
+def actions_to_array(frame_actions: Sequence[frozenset[str]]) -> np.ndarray:
+    """[L, 8] uint8, one column per key of KEY_ORDER."""
+    return np.array([[key in keys for key in KEY_ORDER] for keys in frame_actions], dtype=np.uint8)
+
+
+def array_to_actions(array: np.ndarray) -> tuple[frozenset[str], ...]:
+    return tuple(frozenset(k for k, on in zip(KEY_ORDER, row) if on) for row in np.asarray(array))
+
+
+class ClipDataset(torch.utils.data.Dataset):
+    """Map-style dataset of clips `start .. start + length - 1` of `data_seed`, rendered on demand."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, length: int, data_seed: int = 0, start: int = 0,
+                 supersample: int = 2) -> None:
+        self.config, self.num_blocks, self.length = config, num_blocks, length
+        self.data_seed, self.start, self.supersample = data_seed, start, supersample
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict:
+        if not 0 <= index < self.length:
+            raise IndexError(index)
+        clip = make_clip(self.data_seed, self.start + index, self.config, self.num_blocks, self.supersample)
+        return {"video": clip.video, "actions": torch.from_numpy(actions_to_array(clip.frame_actions)),
+                "latent_poses": torch.from_numpy(clip.latent_poses), "intrinsics": torch.from_numpy(clip.intrinsics),
+                "world_seed": clip.world_seed}
+
+
+def _one_thread(_: int) -> None:
+    # Two processes of one thread each use 2 cores better than one process of two (no libgomp teams
+    # competing); see benchmarks/bench_render.py.
+    torch.set_num_threads(1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="out/clips")
+    parser.add_argument("--clips", type=int, required=True)
+    parser.add_argument("--start", type=int, default=0, help="first clip index (resume from here)")
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--data-seed", type=int, default=0)
+    parser.add_argument("--size", help="HEIGHTxWIDTH (default: the embedded preset's)")
+    parser.add_argument("--supersample", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+
+    config = PRESETS["embedded"]
+    if args.size:
+        height, width = (int(v) for v in args.size.lower().split("x"))
+        config = dataclasses.replace(config, height=height, width=width)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dataset = ClipDataset(config, args.blocks, args.clips, args.data_seed, args.start, args.supersample)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=args.workers,
+                                         worker_init_fn=_one_thread if args.workers else None)
+    if not args.workers:
+        _one_thread(0)
+    started, frames = time.perf_counter(), 0
+    for offset, item in enumerate(tqdm(loader, total=len(dataset), unit="clip")):
+        video = ((item["video"].permute(1, 2, 3, 0) + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()
+        frames += len(video)
+        index = args.start + offset
+        target = out / f"clip_{index:07d}.npz"
+        partial = target.with_suffix(".tmp.npz")  # written whole, then renamed: an interrupted run leaves no half file
+        np.savez(partial, video=video, actions=item["actions"].numpy(), latent_poses=item["latent_poses"].numpy(),
+                 intrinsics=item["intrinsics"].numpy(), world_seed=np.int64(item["world_seed"]))
+        partial.rename(target)
+    seconds = time.perf_counter() - started
+    print(f"{len(dataset)} clips, {frames} frames {config.width}x{config.height} in {seconds:.1f} s "
+          f"({frames / seconds:.1f} FPS, {args.workers} workers) -> {out}")
+
+
+if __name__ == "__main__":
+    main()
