@@ -1,77 +1,207 @@
-"""Per-block latency of the embedded preset on this machine, eager vs compiled.
+"""What a new user gets by default on this machine: precision, start-up, first frame, the per-block cost.
 
-    python benchmarks/bench_block.py [--blocks 12] [--warmup 6] [--dtype bf16] [--no-compile] [--threads N]
+    python benchmarks/bench_block.py [--blocks 13] [--compare-blocks 3] [--precisions auto,fp32,bf16]
+                                     [--app] [--compile] [--threads N] [--model embedded]
 
-Prints the median ms per block split into condition encode, the four denoising forwards, the t=0
-commit forward and the streaming decode, and the generated frames per second against 16 FPS playback.
-Warm-up blocks are excluded: they include the window filling up (and, compiled, the first compiles).
+Prints, in one run:
+1. the CPU (PyTorch's capability and its native-bf16 flags), the allocator setting and the precision that
+   `--dtype auto` chooses here, with its reason;
+2. the default (auto) against each explicit precision on the same blocks (median ms a block over blocks
+   0..compare-blocks-1, condition warm-up included) and whether the default is within 10% of the fastest;
+3. blocks 0..blocks-1 of the default, one line each: wall ms, the stage split (condition, denoise x4,
+   commit, decode), the process's system CPU ms and minor page faults in that block, for a first session
+   from examples/forest.png and then a second session from the same picture (the condition stream shared);
+4. with --app: `python app.py` started as a user starts it: seconds to its "ready at" line, to a page that
+   answers, and from pressing Start (gradio_client /start) to the first video segment;
+5. with --compile: the default precision eager against torch.compile (transformer blocks and decoder step),
+   cold-compile seconds with the project's inductor cache, and median ms a block after warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
+import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
-import torch
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
 
+from lingbot_core.allocator import keep_freed_memory  # noqa: E402
+from lingbot_core.condition_cache import ConditionCache  # noqa: E402
 from lingbot_core.pipeline import load_pipeline  # noqa: E402
+from lingbot_core.precision import AUTO, detect_cpu  # noqa: E402
 from lingbot_core.rollout import BlockControl  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+IMAGE = ROOT / "examples" / "forest.png"
+PROMPT = "a forest path in spring"
+STAGES = ("condition", "denoise", "commit", "decode")
 
 
-def measure(compile: bool, args) -> dict[str, float]:
-    started = time.perf_counter()
-    pipe = load_pipeline(args.model, dtype=DTYPES[args.dtype], compile=compile)
-    load_s = time.perf_counter() - started
+def _usage() -> tuple[float, int]:
+    """(system CPU seconds, minor page faults) of this process so far, all threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_stime, usage.ru_minflt
+
+
+def run_blocks(pipe, blocks: int, conditions: ConditionCache | None = None) -> list[dict[str, float]]:
+    """One rollout from the example picture holding W; a row per block with wall, stages, system CPU, faults."""
     frames_per_block = pipe.config.transformer.num_frames_per_block
-    controls = [BlockControl(actions=(frozenset("w"),) * frames_per_block)] * (args.warmup + args.blocks)
-    rows, first_block_ms = [], None
+    controls = [BlockControl(actions=(frozenset("w"),) * frames_per_block)] * blocks
+    rows = []
+    started, (sys_s, faults) = time.perf_counter(), _usage()
+    for output in pipe.rollout(IMAGE, PROMPT, 0, controls, conditions=conditions):
+        now, (sys_now, faults_now) = time.perf_counter(), _usage()
+        rows.append(dict(output.stage_ms, block=output.block_index, wall=1000 * (now - started),
+                         sys=1000 * (sys_now - sys_s), faults=faults_now - faults))
+        started, sys_s, faults = now, sys_now, faults_now
+    return rows
+
+
+def print_rows(title: str, rows: list[dict[str, float]]) -> None:
+    print(f"\n{title}")
+    print(f"{'block':>5} {'wall ms':>8} {'condition':>9} {'denoise x4':>10} {'commit':>7} {'decode':>7} "
+          f"{'sys ms':>7} {'faults':>7}")
+    for r in rows:
+        print(f"{r['block']:5d} {r['wall']:8.0f} {r['condition']:9.0f} {r['denoise']:10.0f} {r['commit']:7.0f} "
+              f"{r['decode']:7.0f} {r['sys']:7.0f} {r['faults']:7d}")
+
+
+def compare_precisions(args) -> None:
+    """Each precision loaded once; their rollouts advance in turn, one block each, so a busy host slows them
+    alike. Block 0 of each is a warm-up (first use of each kernel shape); the median is over the rest."""
+    blocks = max(2, args.compare_blocks)
+    print(f"\n2. default against each precision, blocks taken in turn: median of blocks 1-{blocks - 1} "
+          "(block 0 warms up; the condition warm-up runs in all of them)")
+    pipes = {name: load_pipeline(args.model, dtype=name) for name in args.precisions}
+    frames_per_block = next(iter(pipes.values())).config.transformer.num_frames_per_block
+    controls = [BlockControl(actions=(frozenset("w"),) * frames_per_block)] * blocks
+    rollouts = {name: iter(pipe.rollout(IMAGE, PROMPT, 0, controls)) for name, pipe in pipes.items()}
+    rows: dict[str, list] = {name: [] for name in pipes}
+    for block in range(blocks):
+        for name, rollout in rollouts.items():
+            started, (sys_s, faults) = time.perf_counter(), _usage()
+            output = next(rollout)
+            sys_now, faults_now = _usage()
+            if block > 0:
+                rows[name].append(dict(output.stage_ms, wall=1000 * (time.perf_counter() - started),
+                                       sys=1000 * (sys_now - sys_s), faults=faults_now - faults))
+    medians = {}
+    for name, pipe in pipes.items():
+        medians[name] = statistics.median(r["wall"] for r in rows[name])
+        split = ", ".join(f"{s} {statistics.median(r[s] for r in rows[name]):.0f}" for s in STAGES)
+        print(f"  {name:>4} -> {pipe.precision.name}: {medians[name]:8.0f} ms a block ({split}); "
+              f"sys {statistics.median(r['sys'] for r in rows[name]):.0f} ms, "
+              f"{statistics.median(r['faults'] for r in rows[name]):.0f} faults a block")
+    for rollout in rollouts.values():
+        rollout.close()  # returns each rollout's pages
+    if AUTO in medians and len(medians) > 1:
+        fastest = min(medians.values())
+        ratio = medians[AUTO] / fastest
+        print(f"  default / fastest = {ratio:.2f}: {'within' if ratio <= 1.10 else 'NOT within'} 10%")
+
+
+def app_startup(args) -> None:
+    """Start app.py as a user does; time its stages, a page that answers, and Start -> first segment."""
+    from gradio_client import Client, handle_file
+
+    port = 7800 + os.getpid() % 100
+    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False")
+    print(f"\n4. python app.py --port {port}")
     started = time.perf_counter()
-    for output in pipe.rollout(Path(__file__).resolve().parents[1] / "examples" / "forest.png",
-                               "a forest path in spring", 0, controls):
-        now = time.perf_counter()
-        block_ms = 1000 * (now - started)
-        started = now
-        if first_block_ms is None:
-            first_block_ms = block_ms
-        if output.block_index >= args.warmup:
-            rows.append(dict(output.stage_ms, total=block_ms))
-    result = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
-    result["first_block"] = first_block_ms
-    result["load_s"] = load_s
-    result["fps"] = pipe.config.pixel_frames_per_block / (result["total"] / 1000)
-    result["frames_per_block"] = pipe.config.pixel_frames_per_block
-    return result
+    process = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(port)], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = None
+        for line in process.stdout:
+            print(f"  | {line.rstrip()}")
+            if "ready at" in line:
+                url = line.split("ready at ")[1].split()[0]
+                break
+        ready_s = time.perf_counter() - started
+        if url is None:
+            raise SystemExit("the app exited before it was ready")
+        urllib.request.urlopen(url, timeout=30).read()
+        page_s = time.perf_counter() - started
+        client = Client(url, verbose=False, download_files=False)
+        pressed = time.perf_counter()
+        job = client.submit(handle_file(str(IMAGE)), PROMPT, 0, api_name="/start")
+        first = None
+        for video, telemetry, _ in job:
+            if video:
+                first = time.perf_counter() - pressed
+                print(f"  first update: {telemetry}")
+                break
+        job.cancel()
+        print(f"  start-up to 'ready at': {ready_s:.1f} s; page answered at {page_s:.1f} s; "
+              f"Start -> first video segment: {first:.1f} s")
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def compare_compile(args) -> None:
+    print(f"\n5. {AUTO} eager against torch.compile (median of blocks {args.warmup}-"
+          f"{args.warmup + args.compile_blocks - 1}, after {args.warmup} warm-up blocks)")
+    for compile in (False, True):
+        started = time.perf_counter()
+        pipe = load_pipeline(args.model, dtype=AUTO, compile=compile)
+        rows = run_blocks(pipe, args.warmup + args.compile_blocks)
+        first_blocks = sum(r["wall"] for r in rows[:2]) / 1000
+        steady = rows[args.warmup:]
+        split = ", ".join(f"{s} {statistics.median(r[s] for r in steady):.0f}" for s in STAGES)
+        print(f"  {'compiled' if compile else 'eager':8}: {statistics.median(r['wall'] for r in steady):7.0f} ms a "
+              f"block ({split}); first two blocks {first_blocks:.1f} s (compiles included), "
+              f"load + all blocks {time.perf_counter() - started:.0f} s")
+        del pipe
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="embedded")
-    parser.add_argument("--blocks", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=6)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--no-compile", action="store_true", help="eager only")
+    parser.add_argument("--blocks", type=int, default=13, help="blocks of the default shown one by one")
+    parser.add_argument("--compare-blocks", type=int, default=3, help="blocks per precision (the first warms up)")
+    parser.add_argument("--precisions", default="auto,fp32,bf16",
+                        type=lambda text: [name.strip() for name in text.split(",") if name.strip()])
+    parser.add_argument("--app", action="store_true", help="also time python app.py start-up and first frame")
+    parser.add_argument("--compile", action="store_true", help="also compare eager with torch.compile")
+    parser.add_argument("--warmup", type=int, default=13, help="--compile: blocks before the median")
+    parser.add_argument("--compile-blocks", type=int, default=6, help="--compile: blocks in the median")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.model}, {args.dtype}, "
-          f"median of {args.blocks} blocks after {args.warmup} warm-up blocks")
-    modes = [False] if args.no_compile else [False, True]
-    print(f"{'mode':9} {'condition':>9} {'denoise x4':>10} {'commit':>7} {'decode':>7} {'block ms':>9} "
-          f"{'FPS':>6} {'first ms':>9}")
-    for compile in modes:
-        r = measure(compile, args)
-        print(f"{'compiled' if compile else 'eager':9} {r['condition']:9.1f} {r['denoise']:10.1f} {r['commit']:7.1f} "
-              f"{r['decode']:7.1f} {r['total']:9.1f} {r['fps']:6.1f} {r['first_block']:9.0f}")
-    print(f"target: >= 16 FPS, i.e. one {r['frames_per_block']}-frame block in <= "
-          f"{1000 * r['frames_per_block'] / 16:.0f} ms")
+
+    cpu = detect_cpu()
+    print(f"1. torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability {cpu.capability}, "
+          f"native bf16 flags: {', '.join(cpu.bf16_flags) or 'none'}; {keep_freed_memory()}")
+    started = time.perf_counter()
+    pipe = load_pipeline(args.model, dtype=AUTO)
+    print(f"   {args.model}: --dtype auto chose {pipe.precision.describe()} (load {time.perf_counter() - started:.1f} s)")
+
+    if args.precisions:
+        compare_precisions(args)
+
+    if args.blocks:
+        conditions = ConditionCache(max_bytes=1 << 30)
+        print(f"\n3. the default ({pipe.precision.name}), blocks 0-{args.blocks - 1} one by one")
+        print_rows("first session from examples/forest.png (pays the condition warm-up)",
+                   run_blocks(pipe, args.blocks, conditions))
+        print_rows("second session from the same picture (condition stream shared)",
+                   run_blocks(pipe, args.blocks, conditions))
+    del pipe
+
+    if args.app:
+        app_startup(args)
+    if args.compile:
+        compare_compile(args)
 
 
 if __name__ == "__main__":

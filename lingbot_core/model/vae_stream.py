@@ -416,10 +416,17 @@ def probe_stream_bytes(vae: AutoencoderKLWan, model_config: ModelConfig, blocks:
     latents = torch.zeros(1, vae.config.z_dim, small.transformer.num_frames_per_block, small.latent_height,
                           small.latent_width, dtype=like.dtype, device=like.device)
     peak_condition, peak_decoder, pixel_frames = condition.nbytes(), 0, 0
-    for block in range(blocks):
-        _, condition = encode_condition_block(vae, condition, block, small)
-        frames, decoder = decode_block(vae, decoder, latents)
-        peak_condition = max(peak_condition, condition.nbytes())
-        peak_decoder = max(peak_decoder, decoder.nbytes())
-        pixel_frames = max(pixel_frames, frames.shape[2])
+    # Hundreds of tiny kernels: on one thread they do not wait at a team barrier for a thread the OS has
+    # descheduled (on 2 busy cores: 1.5 s on one thread against 11 s on two).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for block in range(blocks):
+            _, condition = encode_condition_block(vae, condition, block, small)
+            frames, decoder = decode_block(vae, decoder, latents)
+            peak_condition = max(peak_condition, condition.nbytes())
+            peak_decoder = max(peak_decoder, decoder.nbytes())
+            pixel_frames = max(pixel_frames, frames.shape[2])
+    finally:
+        torch.set_num_threads(threads)
     return StreamBytes(peak_condition * scale, peak_decoder * scale, pixel_frames)

@@ -1,11 +1,16 @@
 """The serving engine: one model, many sessions, bounded memory, one worker.
 
-- Admission by bytes: a probe rollout measures a session's peak committed bytes (its KV window, text
+- Admission by bytes: a probe (`measure_footprint`: no model block, the VAE streamed on a small frame and
+  scaled) measures a session's peak committed bytes (its KV window, text
   K/V, condition encoder and decoder state, finished blocks waiting for the consumer) and the bytes one
   running block adds (its pages, the pending encoder/decoder/text state, scratch). A newcomer is
-  admitted only if   block reserve + (sessions + 1) x session bytes <= budget;   otherwise it gets a
-  place in line (poll `admit` with the ticket id) or, with the line full, a clear refusal. The KV page
-  pool is sized from the same sum, so an admitted session never runs out of pages.
+  admitted only if   block reserve + condition reserve + (sessions + 1) x session bytes <= budget;
+  otherwise it gets a place in line (poll `admit` with the ticket id) or, with the line full, a clear
+  refusal. The KV page pool is sized from the same sum, so an admitted session never runs out of pages.
+- Condition streams, once per picture: sessions that start from the same pixels read one shared
+  condition stream (lingbot_core/condition_cache.py), so its encoder warm-up runs once per process.
+  Each session is still charged a stream of its own; streams kept for pictures no session reads now
+  stay within the condition reserve (`condition_cache_bytes`).
 - Scheduling: one worker advances sessions one block at a time, round-robin at block boundaries. A
   session runs at most `max_lead_blocks` blocks ahead of its consumer, so an idle viewer costs no
   compute. Input is applied at the next block boundary.
