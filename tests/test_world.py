@@ -225,6 +225,23 @@ def test_renderer_rays_are_the_rays_the_model_is_told_about():
     assert np.allclose(told.numpy(), rays, atol=1e-6)
 
 
+def test_pose_files_load_through_the_camera_module_and_scale_to_the_frame(tmp_path):
+    from lingbot_core.world import file_path
+
+    poses = np.repeat(np.eye(4)[None], 5, axis=0)
+    poses[:, 2, 3] = np.linspace(0.0, 0.4, 5)
+    reference = np.tile([500.0, 500.0, 416.0, 240.0], (5, 1))  # 832x480 reference pixels
+    np.save(tmp_path / "poses.npy", poses)
+    np.save(tmp_path / "intrinsics.npy", reference)
+    loaded, pixels = file_path("poses.npy", "intrinsics.npy", tmp_path, EMBEDDED)
+    assert np.array_equal(loaded, poses)
+    sx, sy = EMBEDDED.width / 832, EMBEDDED.height / 480
+    assert np.allclose(pixels, [500 * sx, 500 * sy, EMBEDDED.width / 2, EMBEDDED.height / 2])
+    np.save(tmp_path / "bad.npy", np.zeros((5, 3)))
+    with pytest.raises(camera.TrajectoryError, match="shape"):
+        file_path("poses.npy", "bad.npy", tmp_path, EMBEDDED)
+
+
 def test_pixel_poses_of_a_single_latent_frame():
     assert np.array_equal(pixel_poses(np.eye(4)[None], 4), np.eye(4)[None])
 
