@@ -135,16 +135,20 @@ def app_startup(args) -> None:
         job = client.submit(handle_file(str(IMAGE)), PROMPT, 0, api_name="/start")
         first = None
         for video, telemetry, _ in job:
-            if video:
+            if telemetry.startswith("block "):  # the update that carries block 0's video segment
                 first = time.perf_counter() - pressed
-                print(f"  first update: {telemetry}")
+                print(f"  first block: {telemetry}")
                 break
         job.cancel()
         print(f"  start-up to 'ready at': {ready_s:.1f} s; page answered at {page_s:.1f} s; "
               f"Start -> first video segment: {first:.1f} s")
     finally:
         process.terminate()
-        process.wait(timeout=30)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def compare_compile(args) -> None:
