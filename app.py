@@ -474,7 +474,7 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
                 with gr.Column():
                     off_image = start_image(label="Start image", height=200, value=str(EXAMPLES / "forest.png"))
                     off_prompt = gr.Textbox(label="Prompt", value="a forest path in spring, sunlight")
-                    off_seed = gr.Number(label="Seed", value=0, precision=0, minimum=0)
+                    off_seed = gr.Number(label="Seed", value=0)  # unrounded: check_seed refuses 1.5
                     script = gr.Code(label="Action script (JSONL: one event per block)", language=None,
                                      value=(EXAMPLES / "walk.jsonl").read_text())
                     script_file = gr.File(label="…or a .jsonl script file", file_types=[".jsonl", ".txt", ".json"])

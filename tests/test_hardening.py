@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -340,6 +339,9 @@ def test_small_attacks_get_short_plain_messages(server, healthy, tmp_path):
 
     with pytest.raises(AppError, match="seed must be a whole number"):
         client.predict(handle_file(str(FOREST)), "a forest", 1.5, api_name="/start")
+    with pytest.raises(AppError, match="seed must be a whole number"):
+        client.predict(handle_file(str(FOREST)), "a forest", 1.5, '{"event_id": 0, "keys": ["w"]}', None, None, None,
+                       api_name="/generate")
 
     own = healthy.client
     for events, message in [("[" * 50_000, "nested too deeply"),
