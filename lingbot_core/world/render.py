@@ -114,7 +114,13 @@ class _Frames(NamedTuple):
 def _rotate(rotation: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """rotation [..., 3, 3] @ v [..., 3], as products and 3-term sums: no BLAS call, whose blocking
     (and so rounding) could depend on how many frames share a batch."""
-    return (rotation * v[..., None, :]).sum(-1)
+    return (rotation[..., :, 0] * v[..., 0:1] + rotation[..., :, 1] * v[..., 1:2]
+            + rotation[..., :, 2] * v[..., 2:3])
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Dot product over a last axis of 3, written out (a reduction over 3 elements is slow in torch)."""
+    return a[..., 0] * b[..., 0] + a[..., 1] * b[..., 1] + a[..., 2] * b[..., 2]
 
 
 def _render_batch(world: World, prims: Primitives, poses: np.ndarray, ks: np.ndarray, width: int,
@@ -224,7 +230,7 @@ def _t_ellipsoid(q: torch.Tensor, o: torch.Tensor, d: torch.Tensor) -> torch.Ten
     r = q[:, 3:6]
     oc = (o - q[:, 0:3]) / r  # in the frame where the ellipsoid is a unit sphere
     dc = d / r
-    near, _ = _roots((dc * dc).sum(-1), (oc * dc).sum(-1), (oc * oc).sum(-1) - 1.0)
+    near, _ = _roots(_dot(dc, dc), _dot(oc, dc), _dot(oc, oc) - 1.0)
     return _valid(near)
 
 
@@ -261,8 +267,8 @@ def _t_cone(q: torch.Tensor, o: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 def _t_polytope(q: torch.Tensor, o: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """t [N] and the index of the plane the ray enters through [N]."""
     planes = q.reshape(len(q), -1, 4)  # [N, P, 4]
-    denom = (planes[..., :3] * d[:, None]).sum(-1)
-    num = planes[..., 3] - (planes[..., :3] * o[:, None]).sum(-1)
+    denom = _dot(planes, d[:, None])  # _dot reads the first three of (nx, ny, nz, w)
+    num = planes[..., 3] - _dot(planes, o[:, None])
     t = num / denom
     t_near, plane = torch.where(denom < 0, t, -math.inf).max(-1)
     t_far = torch.where(denom > 0, t, math.inf).min(-1).values
@@ -368,7 +374,7 @@ def _sun_pairs(sun: torch.Tensor, points: torch.Tensor, point_frame: torch.Tenso
     basis = torch.stack([e1, e2])  # [2, 3]
 
     def project(v: torch.Tensor) -> torch.Tensor:  # [N, 3] -> [N, 2] bin coordinates, no BLAS (see _rotate)
-        return (v[:, None, :] * basis).sum(-1) / _SHADOW_CELL
+        return torch.stack([_dot(v, basis[0]), _dot(v, basis[1])], -1) / _SHADOW_CELL
 
     p_uv = torch.floor(project(points)).long()
     c_uv = project(centre)
@@ -467,7 +473,7 @@ def _surface(prims: Primitives, kind_of, row_of, plane_of, point: torch.Tensor, 
         normal.index_copy_(0, mine, F.normalize(n, dim=-1))
         albedo.index_copy_(0, mine, getattr(prims, f"{kind}_albedo").index_select(0, rows))
         object_id.index_copy_(0, mine, getattr(prims, f"{kind}_id").index_select(0, rows))
-    facing = (normal * d).sum(-1, keepdim=True) > 0
+    facing = (_dot(normal, d) > 0)[:, None]
     return torch.where(facing, -normal, normal), albedo, object_id
 
 
@@ -533,28 +539,28 @@ def _shade(world: World, prims: Primitives, visible: dict[str, tuple[torch.Tenso
     rgb = torch.empty(d.shape[0], 3)
 
     # Sky: gradient by elevation (up is -y), sun disc and halo, clouds on a plane above.
-    sd = d[sky_rows]
+    sd = d.index_select(0, sky_rows)
     elevation = (-sd[:, 1]).clamp(min=0.0)
     sky = torch.lerp(horizon, zenith, elevation.pow(0.6)[:, None])
-    cos_sun = (sd * sun).sum(-1)
+    cos_sun = _dot(sd, sun)
     sky = sky + torch.tensor(style.sun_colour) * (0.3 * torch.exp((cos_sun - 1.0) * 25.0)
                                                   + _smoothstep(0.9985, 0.9992, cos_sun))[:, None]
     lift = (_CLOUD_HEIGHT / elevation.clamp(min=0.05))[:, None]
-    cloud_xz = origin[sky_rows][:, [0, 2]] + sd[:, [0, 2]] * lift
+    cloud_xz = origin.index_select(0, sky_rows)[:, [0, 2]] + sd[:, [0, 2]] * lift
     puffs = (_value_noise(table, cloud_xz[:, 0] / 5.0 + 101.0, cloud_xz[:, 1] / 5.0 + 57.0) * 0.7
              + _value_noise(table, cloud_xz[:, 0] / 1.8 + 13.0, cloud_xz[:, 1] / 1.8 + 71.0) * 0.3)
     cover = _smoothstep(1.0 - style.cloud_cover, 1.15 - style.cloud_cover * 0.8, puffs)
     cover = cover * _smoothstep(0.03, 0.2, elevation)  # thin out towards the horizon, where they would alias
-    rgb[sky_rows] = torch.lerp(sky, torch.tensor([0.95, 0.95, 0.97]) * (0.75 + 0.25 * elevation[:, None]),
-                               (0.85 * cover)[:, None])
+    cloud = torch.tensor([0.95, 0.95, 0.97]) * (0.75 + 0.25 * elevation[:, None])
+    rgb = rgb.index_copy(0, sky_rows, torch.lerp(sky, cloud, (0.85 * cover)[:, None]))
 
     # Surfaces: albedo with texture, then sun and sky light. Ground and object textures are both
     # computed for every surface ray and chosen per ray (cheaper than splitting the rays again).
-    ts, ds, ids = t[surface_rows], d[surface_rows], object_id[surface_rows]
-    p = origin[surface_rows] + ts[:, None] * ds
-    n = normal[surface_rows]
-    cos_view = (n * ds).sum(-1).abs().clamp(min=1e-3)
-    footprint = ts / (focal[surface_rows] * cos_view.sqrt())  # world units a pixel covers there
+    take = lambda x: x.index_select(0, surface_rows)  # noqa: E731
+    ts, ds, ids, n = take(t), take(d), take(object_id), take(normal)
+    p = take(origin) + ts[:, None] * ds
+    cos_view = _dot(n, ds).abs().clamp(min=1e-3)
+    footprint = ts / (take(focal) * cos_view.sqrt())  # world units a pixel covers there
     x, y, z = p.unbind(-1)
 
     patch = _smoothstep(0.35, 0.65, _value_noise(table, x / 2.5, z / 2.5))
@@ -568,7 +574,7 @@ def _shade(world: World, prims: Primitives, visible: dict[str, tuple[torch.Tenso
     ground = torch.lerp(ground, torch.tensor([0.92, 0.88, 0.75]), (0.7 * light)[:, None]) * (1.0 - 0.5 * dark)[:, None]
     # Objects: mottling in a direction-free pair of coordinates (x + z, y): foliage, bark and stone grain.
     mottle = _octaves(table, x + 0.6 * z, y, footprint, ((0.16, 0.35, 5.7), (0.05, 0.25, 29.3)))
-    thing = albedo[surface_rows] * (1.0 + mottle)[:, None]
+    thing = take(albedo) * (1.0 + mottle)[:, None]
     # Windows: dark panes on the vertical walls of houses, in a band above the ground.
     height_above = cfg.eye_height - y
     along = torch.remainder((x * n[:, 2] - z * n[:, 0]) / 0.32, 1.0)  # coordinate along the wall
@@ -578,13 +584,13 @@ def _shade(world: World, prims: Primitives, visible: dict[str, tuple[torch.Tenso
     thing = torch.where(windows[:, None], torch.tensor([0.16, 0.2, 0.28]), thing)
     base = torch.where((ids == _GROUND_ID)[:, None], ground, thing)
 
-    lambert = (n * sun).sum(-1).clamp(min=0.0)
+    lambert = _dot(n, sun).clamp(min=0.0)
     shadow = torch.ones_like(lambert)
     # Shadows only where fog leaves something to see (this also bounds the shadow bins' extent).
     lit = ((lambert > 0) & (ts < world.fog_distance)).nonzero().squeeze(1)
     if lit.numel():
         starts = p[lit] + _SHADOW_BIAS * n[lit]
-        start_frame = frame_of[surface_rows][lit]
+        start_frame = take(frame_of)[lit]
         blocked, _, _, _ = _cast(prims, visible, starts, sun.expand(len(lit), 3),
                                  lambda mask, c, r: _sun_pairs(sun, starts, start_frame, mask, c, r), ground_y=None)
         shadow[lit] = torch.isinf(blocked).to(torch.float32)
@@ -595,5 +601,5 @@ def _shade(world: World, prims: Primitives, visible: dict[str, tuple[torch.Tenso
 
     # Fog towards the horizon colour.
     fog = 1.0 - torch.exp(-style.fog_density * (ts - cfg.fog_start).clamp(min=0.0))
-    rgb[surface_rows] = torch.lerp(colour, horizon.expand_as(colour), fog[:, None])
+    rgb = rgb.index_copy(0, surface_rows, torch.lerp(colour, horizon.expand_as(colour), fog[:, None]))
     return rgb.clamp(0.0, 1.0)
