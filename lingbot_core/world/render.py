@@ -37,8 +37,6 @@ from lingbot_core.world.scene import Primitives, World, objects_near
 _NEAR = 1e-3  # hits closer than this along the ray are ignored (self-intersection of shadow rays)
 _SHADOW_BIAS = 2e-3  # shadow rays start this far off the surface, along its normal
 _SKY_ID, _GROUND_ID = -1, 0
-_CLOUD_HEIGHT = 12.0  # world units above the camera's start height
-_WINDOW_BAND = (0.17, 0.33)  # window sills and lintels, in units above the ground
 _RAYS_PER_BATCH = 2**18  # frames are cast together up to about this many rays (bounds memory)
 
 
@@ -545,7 +543,7 @@ def _shade(world: World, prims: Primitives, visible: dict[str, tuple[torch.Tenso
     cos_sun = _dot(sd, sun)
     sky = sky + torch.tensor(style.sun_colour) * (0.3 * torch.exp((cos_sun - 1.0) * 25.0)
                                                   + _smoothstep(0.9985, 0.9992, cos_sun))[:, None]
-    lift = (_CLOUD_HEIGHT / elevation.clamp(min=0.05))[:, None]
+    lift = (cfg.cloud_height / elevation.clamp(min=0.05))[:, None]
     cloud_xz = origin.index_select(0, sky_rows)[:, [0, 2]] + sd[:, [0, 2]] * lift
     puffs = (_value_noise(table, cloud_xz[:, 0] / 5.0 + 101.0, cloud_xz[:, 1] / 5.0 + 57.0) * 0.7
              + _value_noise(table, cloud_xz[:, 0] / 1.8 + 13.0, cloud_xz[:, 1] / 1.8 + 71.0) * 0.3)
@@ -577,9 +575,11 @@ def _shade(world: World, prims: Primitives, visible: dict[str, tuple[torch.Tenso
     thing = take(albedo) * (1.0 + mottle)[:, None]
     # Windows: dark panes on the vertical walls of houses, in a band above the ground.
     height_above = cfg.eye_height - y
-    along = torch.remainder((x * n[:, 2] - z * n[:, 0]) / 0.32, 1.0)  # coordinate along the wall
+    spacing = cfg.window_spacing * cfg.object_scale
+    along = torch.remainder((x * n[:, 2] - z * n[:, 0]) / spacing, 1.0)  # coordinate along the wall, in windows
     windows = ((n[:, 1].abs() < 0.05) & torch.isin(ids, prims.polytope_id)
-               & (height_above > _WINDOW_BAND[0]) & (height_above < _WINDOW_BAND[1])
+               & (height_above > cfg.window_band[0] * cfg.object_scale)
+               & (height_above < cfg.window_band[1] * cfg.object_scale)
                & (along > 0.35) & (along < 0.75) & (_lod(0.1, footprint) > 0.5))
     thing = torch.where(windows[:, None], torch.tensor([0.16, 0.2, 0.28]), thing)
     base = torch.where((ids == _GROUND_ID)[:, None], ground, thing)

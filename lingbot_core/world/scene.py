@@ -74,6 +74,9 @@ class WorldConfig:
     start_distance: tuple[float, float] = (0.9, 2.6)
     start_half_angle_deg: float = 28.0
     noise_size: int = 256  # side of the value-noise table (texture repeats every noise_size cells)
+    cloud_height: float = 12.0  # the cloud layer, above the start height
+    window_band: tuple[float, float] = (0.17, 0.33)  # house window sills and lintels above the ground, at scale 1
+    window_spacing: float = 0.32  # from one window to the next along a wall, at scale 1
     # Fog: colour -> horizon colour with 1 - exp(-density * max(t - fog_start, 0)); objects beyond the
     # distance where fog reaches fog_cutoff are not intersected at all.
     fog_start: float = 2.0
