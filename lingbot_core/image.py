@@ -64,7 +64,7 @@ def load_image(source: str | Path | bytes | Image.Image | np.ndarray) -> Image.I
     """
     if isinstance(source, Image.Image):
         check_header(source.width, source.height, source.mode)
-        return source.convert("RGB")
+        return source.convert("RGB")  # a copy even when RGB: the caller's image stays the caller's
     if isinstance(source, np.ndarray):
         if source.ndim != 3 or source.shape[2] not in (3, 4) or source.dtype != np.uint8:
             raise ImageError(f"an image array must be HxWx3 uint8, got shape {source.shape} dtype {source.dtype}")
@@ -87,10 +87,10 @@ def load_image(source: str | Path | bytes | Image.Image | np.ndarray) -> Image.I
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(path if path is not None else io.BytesIO(source))
-        with image:
+        with image:  # leaving it closes the file only; the decoded pixels stay (Pillow's __exit__)
             check_header(image.width, image.height, image.mode, image.format)
             image.load()
-            return image.convert("RGB")
+            return _rgb(image)
     except ImageError:
         raise
     except UnidentifiedImageError:
@@ -114,8 +114,12 @@ def fit_image(image: Image.Image, height: int, width: int) -> Image.Image:
     scale = max(width / image.width, height / image.height)  # cover the frame, then crop the overflow
     box_w, box_h = width / scale, height / scale
     left, top = (image.width - box_w) / 2, (image.height - box_h) / 2
-    return image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC,
-                                       box=(left, top, left + box_w, top + box_h))
+    return _rgb(image).resize((width, height), Image.Resampling.BICUBIC, box=(left, top, left + box_w, top + box_h))
+
+
+def _rgb(image: Image.Image) -> Image.Image:
+    """`image` as RGB, without the full-size copy PIL's convert makes of an image that already is."""
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def image_to_tensor(image: Image.Image, height: int, width: int) -> torch.Tensor:
