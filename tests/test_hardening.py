@@ -33,7 +33,7 @@ from gradio_client.exceptions import AppError  # noqa: E402
 from lingbot_core.events import EventError, parse_event_line  # noqa: E402
 from lingbot_core.image import MAX_ASPECT_RATIO, MAX_IMAGE_PIXELS, ImageError, fit_image, load_image  # noqa: E402
 from lingbot_core.model.camera import TrajectoryError, validate_trajectory  # noqa: E402
-from lingbot_core.serving.engine import EngineConfig  # noqa: E402
+from lingbot_core.serving.engine import Engine, EngineConfig, ErrorMessage  # noqa: E402
 from lingbot_core.serving.streaming import StreamConfig, StreamError, check_seed, check_start, parse_actions  # noqa: E402
 from lingbot_core.user_text import quote  # noqa: E402
 from lingbot_core.workdir import PREFIX, WorkFolder, remove_stale  # noqa: E402
@@ -238,6 +238,43 @@ def test_an_event_whose_application_fails_is_dropped_and_the_world_goes_on(serve
         assert engine.session_status(victim.session_id)["status"] == "active"
     finally:
         victim.stop()
+
+
+def test_engine_drops_the_failing_events_and_runs_on_without_new_input(tiny_pipeline, start_image, monkeypatch,
+                                                                      single_thread):
+    """The same guarantee at the engine, block by block: the victim's next block runs without the event, the
+    other session is untouched, and the dropped event never reaches the replay."""
+    engine = Engine(tiny_pipeline, EngineConfig(memory_budget_bytes=1 << 32, max_sessions=2), start_worker=False)
+    try:
+        victim = engine.admit(start_image, "a forest", 0).session_id
+        other = engine.admit(start_image, "a forest", 1).session_id
+        pipeline_type = type(tiny_pipeline)
+        with_prompt = pipeline_type.with_prompt
+
+        def failing_with_prompt(self, state, prompt):
+            if prompt == "poison":
+                raise RuntimeError("this prompt cannot be applied")
+            return with_prompt(self, state, prompt)
+
+        monkeypatch.setattr(pipeline_type, "with_prompt", failing_with_prompt)
+        engine.post_event(victim, {"event_id": 1, "keys": ["w"], "prompt": "poison"})
+        received = {victim: [], other: []}
+        for _ in range(8):
+            engine.run_once()
+            for session_id, messages in received.items():
+                message = engine.next_message(session_id, timeout=0)
+                if message is not None:
+                    messages.append(message)
+        error, *blocks = received[victim]
+        assert isinstance(error, ErrorMessage) and not error.fatal and not error.waiting_for_input
+        assert error.text == "event 1 could not be applied and was dropped: RuntimeError: this prompt cannot be applied"
+        assert [b.block_index for b in blocks] == [0, 1, 2] and all(b.event_ids == () for b in blocks)
+        assert [b.block_index for b in received[other]] == [0, 1, 2, 3]
+        replay = engine.replay(victim)
+        assert replay.prompt == "a forest" and all(frame == [] for b in replay.blocks for frame in b["frames"])
+        assert engine.session_status(victim)["status"] == "active"
+    finally:
+        engine.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------
