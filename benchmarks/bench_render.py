@@ -5,14 +5,15 @@
 
 Each run renders one clip of a mixed key walk (W, W+L, J, ...; N blocks give 12N - 3 frames) through
 the embedded preset's intrinsics convention, scaled to the size. Prints the median FPS over the runs
-(the first, warm-up run excluded) with the range, per size, supersampling and thread count, and the
-CPU kind first (model name and whether it has AVX2 / AVX-512 BF16 / AMX).
+(the first, warm-up run excluded) with the range, per size, supersampling and thread count, the
+CPU kind first (model name and whether it has AVX2 / AVX-512 BF16 / AMX) and the load average last.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import platform
 import statistics
 import sys
@@ -74,6 +75,9 @@ def main() -> None:
                         rates.append(len(path.pixel_poses) / (time.perf_counter() - started))
                 print(f"{size:>8} {supersample:>3} {threads:>7} {len(path.pixel_poses):>6} "
                       f"{statistics.median(rates):>10.1f} {min(rates):>6.1f}-{max(rates):<6.1f}", flush=True)
+    # The machine may be shared: with other busy processes, two threads per process fall far behind
+    # one (libgomp's team waits for its slowest thread); read the figures with the load beside them.
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
 
 if __name__ == "__main__":
