@@ -76,7 +76,9 @@ def print_rows(title: str, rows: list[dict[str, float]]) -> None:
 
 def compare_precisions(args) -> None:
     """Each precision loaded once; their rollouts advance in turn, one block each, so a busy host slows them
-    alike. Block 0 of each is a warm-up (first use of each kernel shape); the median is over the rest."""
+    alike. Block 0 of each is a warm-up (first use of each kernel shape); the median is over the rest. A
+    precision more than 3x slower than the fastest on a block stops there (bf16 emulated on an AVX2 CPU
+    takes minutes a block; more of them would not change the verdict)."""
     blocks = max(2, args.compare_blocks)
     print(f"\n2. default against each precision, blocks taken in turn: median of blocks 1-{blocks - 1} "
           "(block 0 warms up; the condition warm-up runs in all of them)")
@@ -85,19 +87,23 @@ def compare_precisions(args) -> None:
     controls = [BlockControl(actions=(frozenset("w"),) * frames_per_block)] * blocks
     rollouts = {name: iter(pipe.rollout(IMAGE, PROMPT, 0, controls)) for name, pipe in pipes.items()}
     rows: dict[str, list] = {name: [] for name in pipes}
+    running = list(pipes)
     for block in range(blocks):
-        for name, rollout in rollouts.items():
+        for name in running:
             started, (sys_s, faults) = time.perf_counter(), _usage()
-            output = next(rollout)
+            output = next(rollouts[name])
             sys_now, faults_now = _usage()
             if block > 0:
                 rows[name].append(dict(output.stage_ms, wall=1000 * (time.perf_counter() - started),
                                        sys=1000 * (sys_now - sys_s), faults=faults_now - faults))
+        if block > 0:  # a precision 3x slower than the fastest on this block is decided: it stops here
+            fastest = min(rows[name][-1]["wall"] for name in running)
+            running = [name for name in running if rows[name][-1]["wall"] <= 3 * fastest]
     medians = {}
     for name, pipe in pipes.items():
         medians[name] = statistics.median(r["wall"] for r in rows[name])
         split = ", ".join(f"{s} {statistics.median(r[s] for r in rows[name]):.0f}" for s in STAGES)
-        print(f"  {name:>4} -> {pipe.precision.name}: {medians[name]:8.0f} ms a block ({split}); "
+        print(f"  {name:>4} -> {pipe.precision.name}: {medians[name]:8.0f} ms a block over {len(rows[name])} ({split}); "
               f"sys {statistics.median(r['sys'] for r in rows[name]):.0f} ms, "
               f"{statistics.median(r['faults'] for r in rows[name]):.0f} faults a block")
     for rollout in rollouts.values():
