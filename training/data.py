@@ -85,12 +85,13 @@ def clip_rng(data_seed: int, index: int) -> np.random.Generator:
 
 
 def make_clip(data_seed: int, index: int, config: ModelConfig, num_blocks: int, supersample: int = 2,
-              script: ScriptConfig = ScriptConfig()) -> Clip:
-    """Clip `index` of `data_seed`: a train world, a key script, and its rendered pixel frames."""
+              script: ScriptConfig = ScriptConfig(), world_seeds: range = TRAIN_SEEDS) -> Clip:
+    """Clip `index` of `data_seed`: a world from `world_seeds` (train worlds unless evaluating on
+    HELD_OUT_SEEDS), a key script, and its rendered pixel frames."""
     if num_blocks < 1:
         raise ValueError(f"a clip needs at least one block; got {num_blocks}")
     rng = clip_rng(data_seed, index)
-    world_seed = int(TRAIN_SEEDS.start + rng.integers(len(TRAIN_SEEDS)))
+    world_seed = int(world_seeds.start + rng.integers(len(world_seeds)))
     actions = sample_script(rng, num_blocks, config.transformer.num_frames_per_block, script)
     path = key_path(actions, config)
     rgb = render(make_world(world_seed), path.pixel_poses, path.intrinsics, config.width, config.height, supersample)

@@ -1,0 +1,398 @@
+"""Train the embedded preset's VAE (diffusers' AutoencoderKLWan) on rendered clips of train worlds.
+
+    python -m training.vae --steps 20000 [--size 96x160] [--base-dim 16] [--decoder-base-dim 8] [--z-dim 16]
+                           [--blocks 1] [--batch 2] [--lr 2e-4] [--kl-weight 1e-6] [--loss l1] [--seed 0]
+                           [--data-seed 0] [--run-dir DIR] [--eval-every 500] [--checkpoint-every 100]
+                           [--workers 1] [--threads 1]
+    python -m training.vae --run-dir DIR --export OUT      # OUT/vae/: fp16 safetensors, diffusers layout
+
+The model is the same class and checkpoint layout as the real model's VAE, at the size given here.
+Loss: a pixel reconstruction term (L1 or MSE) of a sample of the posterior, plus a small KL term
+towards N(0, 1), as the Wan VAE is trained (its perceptual and adversarial terms are left out).
+The decoder output is not clamped during training, so pixels that overshoot [-1, 1] still get a
+gradient; inference clamps.
+
+Reproducible and resumable: step s trains on clips s*batch .. s*batch + batch - 1 of the data seed
+(training/data.py renders clip i as a pure function of (data_seed, i), from TRAIN_SEEDS only), and the
+posterior noise comes from a generator seeded by --seed whose state is checkpointed. So the run
+state is the model, the optimizer, the step and that generator: `RUN_DIR/last.pt` holds them (written
+whole, then renamed). Starting again with the same run directory resumes from it, bit-exactly, and
+refuses (with the differing settings named) when the run settings differ; --steps may grow.
+
+Output in the run directory (default ~/.cache/lingbot/train/vae/<size>-b<base>-d<dec>-z<z>-s<seed>,
+outside git so a later session on the machine can resume): last.pt, and log.jsonl with one line per
+step (step, loss, rec, kl, seconds) and one per evaluation (step, psnr, psnr_image). Evaluation runs
+on held-out worlds (HELD_OUT_SEEDS) through the inference path of lingbot_core/model/vae_stream.py:
+`psnr` decodes the clip's latents block by block with `decode_block` (the streaming decoder and its
+carried cache; the latents come from the causal encoder run once over the clip, which the streamed
+encoder equals), `psnr_image` encodes the start frame as the condition stream does
+(`encode_condition_block`) and decodes latent frame 0 back to it.
+
+--export writes OUT/vae/ (config.json + diffusion_pytorch_model.safetensors, float16) as
+`AutoencoderKLWan.save_pretrained` does, the folder the checkpoint loader reads (lingbot_core/loading.py),
+with latents_mean / latents_std measured on --stats-clips train clips, so the transformer sees
+normalised latents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKLWan
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+from tqdm import tqdm
+
+from lingbot_core.config import PRESETS, ModelConfig
+from lingbot_core.model.vae_stream import (ConditionStream, DecoderStream, build_vae, check_streamable,
+                                           decode_block, decode_latent_frame, encode_condition_block)
+from lingbot_core.world import HELD_OUT_SEEDS
+from training.data import ClipDataset, make_clip
+
+CHECKPOINT = "last.pt"
+LOG = "log.jsonl"
+CHECKPOINT_FORMAT = 1
+EVAL_DATA_SEED = 0  # held-out clips i = 0 .. eval_clips - 1 of this data seed: the same clips at every evaluation
+
+
+@dataclass(frozen=True)
+class VaeTrainConfig:
+    """Everything that defines a run; a checkpoint resumes only under the same values."""
+
+    height: int = 96
+    width: int = 160
+    base_dim: int = 16
+    decoder_base_dim: int | None = 8
+    z_dim: int = 16
+    blocks: int = 1  # clip length in blocks: 12 * blocks - 3 pixel frames
+    batch: int = 2
+    lr: float = 2e-4
+    weight_decay: float = 0.01
+    kl_weight: float = 1e-6
+    loss: str = "l1"
+    seed: int = 0  # initial weights and posterior noise
+    data_seed: int = 0
+    supersample: int = 2
+
+    def __post_init__(self) -> None:
+        if self.loss not in ("l1", "mse"):
+            raise ValueError(f"loss must be 'l1' or 'mse'; got {self.loss!r}")
+        for name in ("base_dim", "z_dim", "blocks", "batch", "supersample"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
+        if self.decoder_base_dim is not None and self.decoder_base_dim < 1:
+            raise ValueError(f"decoder_base_dim must be at least 1; got {self.decoder_base_dim}")
+        if not (self.lr > 0 and math.isfinite(self.lr)) or self.kl_weight < 0 or self.weight_decay < 0:
+            raise ValueError("lr must be positive, kl_weight and weight_decay non-negative")
+        self.model_config()  # refuses sizes the model cannot run, before anything is written
+
+    def model_config(self, base: ModelConfig = PRESETS["embedded"]) -> ModelConfig:
+        """`base` at this size with this VAE; latents stats start as identity (set on export)."""
+        vae = dict(base.vae, base_dim=self.base_dim, decoder_base_dim=self.decoder_base_dim, z_dim=self.z_dim,
+                   latents_mean=[0.0] * self.z_dim, latents_std=[1.0] * self.z_dim)
+        # The transformer's latent channels follow z_dim (noisy latent + mask + condition latent).
+        transformer = dataclasses.replace(base.transformer, out_channels=self.z_dim,
+                                          in_channels=2 * self.z_dim + base.transformer.mask_channels)
+        return dataclasses.replace(base, height=self.height, width=self.width, vae=vae, transformer=transformer)
+
+    def default_run_dir(self) -> Path:
+        name = f"{self.height}x{self.width}-b{self.base_dim}-d{self.decoder_base_dim}-z{self.z_dim}-s{self.seed}"
+        return Path.home() / ".cache" / "lingbot" / "train" / "vae" / name
+
+
+def new_vae(tc: VaeTrainConfig) -> AutoencoderKLWan:
+    model_config = tc.model_config()
+    vae = build_vae(model_config, torch.float32, "cpu", seed=tc.seed)
+    check_streamable(vae, model_config)
+    return vae.train().requires_grad_(True)
+
+
+def new_optimizer(vae: AutoencoderKLWan, tc: VaeTrainConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(vae.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+
+
+def decode_unclamped(vae: AutoencoderKLWan, z: torch.Tensor) -> torch.Tensor:
+    """`vae.decode(z)` without its final clamp (which zeroes the gradient of overshooting pixels)."""
+    x = vae.post_quant_conv(z)
+    cache = [None] * sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
+    frames = [decode_latent_frame(vae, x[:, :, i : i + 1], cache, i == 0) for i in range(x.shape[2])]
+    return torch.cat(frames, dim=2)
+
+
+def losses(vae: AutoencoderKLWan, video: torch.Tensor, tc: VaeTrainConfig,
+           generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Loss terms on `video` [B, 3, T, H, W] in [-1, 1]: rec (per pixel), kl (per latent element), loss."""
+    posterior = vae.encode(video).latent_dist
+    recon = decode_unclamped(vae, posterior.sample(generator=generator))
+    rec = (recon - video).abs().mean() if tc.loss == "l1" else (recon - video).square().mean()
+    kl = 0.5 * (posterior.mean.square() + posterior.var - 1.0 - posterior.logvar).mean()
+    return {"loss": rec + tc.kl_weight * kl, "rec": rec, "kl": kl}
+
+
+def train_step(vae: AutoencoderKLWan, optimizer: torch.optim.Optimizer, video: torch.Tensor, tc: VaeTrainConfig,
+               generator: torch.Generator) -> dict[str, float]:
+    vae.train()
+    optimizer.zero_grad(set_to_none=True)
+    terms = losses(vae, video, tc, generator)
+    if not torch.isfinite(terms["loss"]):
+        raise FloatingPointError(f"non-finite loss {terms['loss'].item()}; lower --lr (the checkpoint is kept)")
+    terms["loss"].backward()
+    optimizer.step()
+    return {name: value.item() for name, value in terms.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation through the streaming inference path
+
+
+def latent_stats(vae: AutoencoderKLWan) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    return (torch.tensor(vae.config.latents_mean, dtype=torch.float32).view(shape),
+            torch.tensor(vae.config.latents_std, dtype=torch.float32).view(shape))
+
+
+@torch.no_grad()
+def stream_reconstruct(vae: AutoencoderKLWan, model_config: ModelConfig,
+                       video: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(clip, start frame) reconstructions of `video` [3, T, H, W] as inference produces them.
+
+    The clip: posterior means of the causal encoder, normalised, decoded block by block by the streaming
+    decoder. The start frame: the condition stream's block 0, latent frame 0, decoded alone.
+    """
+    vae.eval()
+    like = next(vae.parameters())
+    x = video.unsqueeze(0).to(like.dtype)
+    mean, std = (t.to(like.dtype) for t in latent_stats(vae))
+    latents = (vae.encode(x).latent_dist.mode() - mean) / std
+    per_block = model_config.transformer.num_frames_per_block
+    state, frames = DecoderStream(), []
+    for start in range(0, latents.shape[2], per_block):
+        out, state = decode_block(vae, state, latents[:, :, start : start + per_block])
+        frames.append(out)
+    condition, _ = encode_condition_block(vae, ConditionStream.start(x[:, :, 0]), 0, model_config)
+    image, _ = decode_block(vae, DecoderStream(), condition[:, :, :1])
+    return torch.cat(frames, dim=2)[0], image[0]
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """PSNR in dB of two tensors in [-1, 1] (peak 1 on the [0, 1] scale)."""
+    mse = ((a.float() - b.float()) / 2.0).square().mean().item()
+    return float("inf") if mse == 0 else 10.0 * math.log10(1.0 / mse)
+
+
+def held_out_clips(tc: VaeTrainConfig, count: int, blocks: int) -> list[torch.Tensor]:
+    model_config = tc.model_config()
+    return [make_clip(EVAL_DATA_SEED, i, model_config, blocks, tc.supersample, world_seeds=HELD_OUT_SEEDS).video
+            for i in range(count)]
+
+
+def evaluate(vae: AutoencoderKLWan, tc: VaeTrainConfig, clips: list[torch.Tensor]) -> dict[str, float]:
+    """Mean PSNR over the held-out clips: whole clip (streamed decode) and start frame (condition path)."""
+    model_config = tc.model_config()
+    clip_psnr, image_psnr = [], []
+    for video in clips:
+        recon, image = stream_reconstruct(vae, model_config, video)
+        clip_psnr.append(psnr(recon, video))
+        image_psnr.append(psnr(image, video[:, :1]))
+    vae.train()
+    return {"psnr": float(np.mean(clip_psnr)), "psnr_image": float(np.mean(image_psnr))}
+
+
+# ---------------------------------------------------------------------------------------------
+# Run state
+
+
+def _one_thread(_: int) -> None:
+    torch.set_num_threads(1)  # render workers: one thread each (see benchmarks/bench_render.py)
+
+
+def batches(tc: VaeTrainConfig, first_step: int, steps: int, workers: int) -> Iterator[torch.Tensor]:
+    """Videos [batch, 3, T, H, W] of steps first_step .. steps - 1: step s holds clips s*batch ... ."""
+    dataset = ClipDataset(tc.model_config(), tc.blocks, (steps - first_step) * tc.batch, tc.data_seed,
+                          first_step * tc.batch, tc.supersample)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=tc.batch, num_workers=workers,
+                                         worker_init_fn=_one_thread if workers else None)
+    for item in loader:
+        yield item["video"]
+
+
+def save_checkpoint(run_dir: Path, tc: VaeTrainConfig, step: int, vae: AutoencoderKLWan,
+                    optimizer: torch.optim.Optimizer, generator: torch.Generator) -> None:
+    state = {"format": CHECKPOINT_FORMAT, "train_config": dataclasses.asdict(tc), "step": step,
+             "next_clip": step * tc.batch, "model": vae.state_dict(), "optimizer": optimizer.state_dict(),
+             "noise_rng": generator.get_state()}
+    partial = run_dir / (CHECKPOINT + ".tmp")
+    torch.save(state, partial)
+    os.replace(partial, run_dir / CHECKPOINT)  # an interrupted save leaves the previous checkpoint whole
+
+
+def load_checkpoint(run_dir: Path, tc: VaeTrainConfig | None = None) -> tuple[VaeTrainConfig, dict]:
+    """The run's config and state; with `tc`, refuse a checkpoint written under other settings."""
+    path = run_dir / CHECKPOINT
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a truncated or foreign file: say which, do not touch it
+        raise ValueError(f"cannot read the checkpoint {path}: {error}") from error
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} is not a training.vae checkpoint of format {CHECKPOINT_FORMAT}")
+    saved = VaeTrainConfig(**state["train_config"])
+    if tc is not None and saved != tc:
+        diff = {k: (v, getattr(tc, k)) for k, v in dataclasses.asdict(saved).items() if getattr(tc, k) != v}
+        raise ValueError(f"{path} was trained with other settings (checkpoint, asked): {diff}; use another "
+                         "--run-dir or the checkpoint's settings")
+    return saved, state
+
+
+def _rewrite_log(run_dir: Path, last_step: int) -> None:
+    """Drop log lines past the checkpoint (a run stopped after logging them, before saving)."""
+    path = run_dir / LOG
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    partial = path.with_suffix(".tmp")
+    partial.write_text("".join(line + "\n" for line in kept))
+    os.replace(partial, path)
+
+
+def train(tc: VaeTrainConfig, run_dir: Path, steps: int, *, workers: int = 0, eval_every: int = 0,
+          eval_clips: int = 4, eval_blocks: int = 2, checkpoint_every: int = 100,
+          progress: bool = False) -> AutoencoderKLWan:
+    """Train to `steps` total steps, resuming from `run_dir`'s checkpoint if there is one; returns the VAE."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    vae = new_vae(tc)
+    optimizer = new_optimizer(vae, tc)
+    generator = torch.Generator().manual_seed(tc.seed)
+    step = 0
+    if (run_dir / CHECKPOINT).exists():
+        _, state = load_checkpoint(run_dir, tc)
+        vae.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["noise_rng"])
+        step = state["step"]
+        _rewrite_log(run_dir, step)
+    if step >= steps:
+        return vae
+
+    eval_set = held_out_clips(tc, eval_clips, eval_blocks) if eval_every else []
+    bar = tqdm(total=steps, initial=step, unit="step", disable=not progress, dynamic_ncols=True)
+    with open(run_dir / LOG, "a") as log:
+        started = time.perf_counter()
+        for video in batches(tc, step, steps, workers):
+            terms = train_step(vae, optimizer, video, tc, generator)
+            step += 1
+            record = {"step": step, **{k: round(v, 6) for k, v in terms.items()},
+                      "seconds": round(time.perf_counter() - started, 3)}
+            if eval_every and (step % eval_every == 0 or step == steps):
+                record.update({k: round(v, 3) for k, v in evaluate(vae, tc, eval_set).items()})
+            log.write(json.dumps(record) + "\n")
+            bar.set_postfix({k: record[k] for k in ("loss", "psnr") if k in record})
+            bar.update(1)
+            if step % checkpoint_every == 0 or step == steps:
+                log.flush()
+                save_checkpoint(run_dir, tc, step, vae, optimizer, generator)
+    bar.close()
+    return vae
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+
+
+@torch.no_grad()
+def measured_latent_stats(vae: AutoencoderKLWan, tc: VaeTrainConfig, clips: int) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std of the posterior means over `clips` train clips of the run's data seed."""
+    vae.eval()
+    model_config = tc.model_config()
+    means = [vae.encode(make_clip(tc.data_seed, i, model_config, tc.blocks, tc.supersample).video.unsqueeze(0))
+             .latent_dist.mode() for i in range(clips)]
+    flat = torch.cat([m.transpose(0, 1).reshape(tc.z_dim, -1) for m in means], dim=1)
+    std = flat.std(dim=1).clamp_min(1e-4)  # a dead channel must not divide by zero
+    return flat.mean(dim=1).tolist(), std.tolist()
+
+
+def export_vae(vae: AutoencoderKLWan, out: Path, latents_mean: list[float], latents_std: list[float]) -> Path:
+    """Write `out`/vae/ in float16 safetensors, diffusers layout; returns that folder."""
+    exported = copy.deepcopy(vae).eval()
+    exported.register_to_config(latents_mean=list(latents_mean), latents_std=list(latents_std))
+    torch.nn.Module.to(exported, dtype=torch.float16)
+    folder = out / "vae"
+    exported.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _config_from_args(args: argparse.Namespace) -> VaeTrainConfig:
+    try:
+        height, width = (int(v) for v in args.size.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--size must be HEIGHTxWIDTH, for example 96x160; got {args.size!r}") from None
+    return VaeTrainConfig(height=height, width=width, base_dim=args.base_dim,
+                          decoder_base_dim=args.decoder_base_dim or None, z_dim=args.z_dim, blocks=args.blocks,
+                          batch=args.batch, lr=args.lr, weight_decay=args.weight_decay, kl_weight=args.kl_weight,
+                          loss=args.loss, seed=args.seed, data_seed=args.data_seed, supersample=args.supersample)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    d = VaeTrainConfig()
+    parser.add_argument("--steps", type=int, default=0, help="total steps of the run (resumes below this)")
+    parser.add_argument("--size", default=f"{d.height}x{d.width}", help="HEIGHTxWIDTH, multiples of 32")
+    parser.add_argument("--base-dim", type=int, default=d.base_dim)
+    parser.add_argument("--decoder-base-dim", type=int, default=d.decoder_base_dim, help="0: same as --base-dim")
+    parser.add_argument("--z-dim", type=int, default=d.z_dim)
+    parser.add_argument("--blocks", type=int, default=d.blocks)
+    parser.add_argument("--batch", type=int, default=d.batch)
+    parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    parser.add_argument("--kl-weight", type=float, default=d.kl_weight)
+    parser.add_argument("--loss", choices=("l1", "mse"), default=d.loss)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--data-seed", type=int, default=d.data_seed)
+    parser.add_argument("--supersample", type=int, default=d.supersample)
+    parser.add_argument("--run-dir", help="checkpoint and log folder (default under ~/.cache/lingbot/train/vae/)")
+    parser.add_argument("--eval-every", type=int, default=500)
+    parser.add_argument("--eval-clips", type=int, default=4)
+    parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--workers", type=int, default=1, help="render processes (0: render in this process)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the training process")
+    parser.add_argument("--export", metavar="DIR", help="write DIR/vae/ from the run's checkpoint and stop")
+    parser.add_argument("--stats-clips", type=int, default=8, help="train clips for the exported latents stats")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    try:
+        tc = _config_from_args(args)
+        run_dir = Path(args.run_dir).expanduser() if args.run_dir else tc.default_run_dir()
+        if args.export:
+            if not (run_dir / CHECKPOINT).exists():
+                parser.error(f"no checkpoint {run_dir / CHECKPOINT} to export")
+            tc, state = load_checkpoint(run_dir)  # the checkpoint's own settings
+            vae = new_vae(tc)
+            vae.load_state_dict(state["model"])
+            mean, std = measured_latent_stats(vae, tc, args.stats_clips)
+            folder = export_vae(vae, Path(args.export), mean, std)
+            print(f"step {state['step']} -> {folder}")
+            return
+        if args.steps < 1:
+            parser.error("--steps (total steps of the run) is required to train")
+        print(f"run {run_dir}")
+        train(tc, run_dir, args.steps, workers=args.workers, eval_every=args.eval_every,
+              eval_clips=args.eval_clips, checkpoint_every=args.checkpoint_every, progress=True)
+    except (ValueError, FloatingPointError) as error:
+        parser.exit(2, f"error: {error}\n")
+
+
+if __name__ == "__main__":
+    main()
