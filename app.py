@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +57,7 @@ from lingbot_core.workdir import WorkFolder
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE / "examples"
 TEST_PRESETS = {"tiny": tiny_config}
+OFFLINE_KEEP_S = 600.0  # an offline MP4 is removed from the work folder this long after it was made
 # Two groups of four (move, look), each drawn as an inverted T: the first key above the other three.
 KEYS = (("w", "forward"), ("a", "left"), ("s", "back"), ("d", "right"),
         ("i", "look up"), ("j", "turn left"), ("k", "look down"), ("l", "turn right"))
@@ -225,7 +227,14 @@ def generate_offline(pipeline, image, prompt, seed, script_text, script_file, po
     if len(controls) > max_blocks:
         raise StreamError(f"this would be {len(controls)} blocks; this server makes at most {max_blocks} per request")
     out_dir.mkdir(parents=True, exist_ok=True)
-    out = Path(tempfile.mkstemp(suffix=".mp4", prefix="lingbot-offline-", dir=out_dir)[1])
+    # Gradio copies a returned video into its own cache at once, so an older output here is never read again.
+    for old in out_dir.glob("lingbot-offline-*.mp4"):
+        with contextlib.suppress(OSError):
+            if time.time() - old.stat().st_mtime > OFFLINE_KEEP_S:
+                old.unlink()
+    handle, name = tempfile.mkstemp(suffix=".mp4", prefix="lingbot-offline-", dir=out_dir)
+    os.close(handle)  # the writer opens the file by name
+    out = Path(name)
     blocks = write_rollout(pipeline.rollout(picture, text, check_seed(seed), controls, start_camera=start_camera),
                            out, config)
     frames = config.pixel_frames_for_blocks(blocks)

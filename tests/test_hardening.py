@@ -304,6 +304,60 @@ def test_another_client_cannot_drive_stop_reset_or_download_a_world(server, heal
 # 4. Anonymous requests cannot lock everyone out
 
 
+def test_pictures_are_decoded_after_the_claim_and_a_few_at_a_time(tiny_pipeline, start_image, tmp_path, monkeypatch):
+    """Many simultaneous uploads cannot make the server decode them all at once: a client over its limit is
+    refused before its picture is decoded, and at most `decode_slots` pictures are decoded together."""
+    import asyncio
+
+    from lingbot_core.serving import streaming
+
+    active, peak, calls = [0], [0], []
+    lock = threading.Lock()
+    real_check = streaming.check_start
+
+    def slow_check(image, prompt, seed, config):
+        with lock:
+            calls.append(prompt)
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        try:
+            threading.Event().wait(0.2)  # a decode that takes a while, so overlaps would show
+            return real_check(image, prompt, seed, config)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(streaming, "check_start", slow_check)
+    engine = Engine(tiny_pipeline, EngineConfig(memory_budget_bytes=1 << 32, max_sessions=1, max_waiting=8),
+                    start_worker=False)
+    service = streaming.LiveService(engine, tmp_path / "recordings", StreamConfig(decode_slots=2))
+
+    async def first_update(viewer: str, prompt: str):
+        stream = service.stream(start_image, prompt, 0, viewer=viewer, address=f"10.0.0.{len(viewer)}")
+        try:
+            return (await stream.__anext__()).telemetry
+        except StreamError as exc:
+            return f"refused: {exc}"
+        finally:
+            await stream.aclose()
+
+    async def attack():
+        # viewer "a" sends twice at once; "bb", "ccc", "dddd", "eeeee" once each (distinct addresses)
+        jobs = [first_update("a", "a1"), first_update("a", "a2")] + \
+            [first_update(v, v) for v in ("bb", "ccc", "dddd", "eeeee")]
+        return await asyncio.gather(*jobs)
+
+    try:
+        results = asyncio.run(attack())
+    finally:
+        service.shutdown()
+        engine.shutdown()
+    refused = [r for r in results if r.startswith("refused: this page (or API client) already has a world")]
+    assert len(refused) == 1, results  # the second stream of "a" was refused...
+    assert len(calls) == 5 and sorted(calls).count("a1") + sorted(calls).count("a2") == 1  # ...undecoded
+    assert peak[0] == 2  # five decodes wanted at once, two ran at a time
+
+
 def test_fire_and_forget_requests_cannot_take_every_seat_and_place_in_line(server, healthy):
     url, engine, _ = server
     with raw_http(url) as attacker:
@@ -542,3 +596,28 @@ def test_only_work_folders_of_ended_processes_are_swept(tmp_path):
     finally:
         alive.kill()
         alive.wait(timeout=30)
+
+
+def test_offline_outputs_do_not_pile_up_or_leak_descriptors(tiny_pipeline, start_image, tmp_path):
+    """Each /generate call made a new MP4 in the work folder for the process's whole life and left its
+    mkstemp descriptor open; now a call closes its descriptor and removes outputs Gradio copied long ago."""
+    import time
+
+    import app as lingbot_app
+
+    out_dir = tmp_path / "offline"
+    out_dir.mkdir()
+    stale, recent = out_dir / "lingbot-offline-stale.mp4", out_dir / "lingbot-offline-recent.mp4"
+    for path in (stale, recent):
+        path.write_bytes(b"old output")
+    hour_ago = time.time() - 3600
+    os.utime(stale, (hour_ago, hour_ago))
+    picture = tmp_path / "start.png"
+    Image.fromarray(start_image).save(picture)
+    script = json.dumps({"event_id": 1, "keys": ["w"]})
+    descriptors = len(os.listdir("/proc/self/fd"))
+    outputs = [lingbot_app.generate_offline(tiny_pipeline, str(picture), "a forest", 0, script, None, None, None,
+                                            out_dir, tmp_path, max_blocks=2)[0] for _ in range(3)]
+    assert len(os.listdir("/proc/self/fd")) == descriptors
+    assert not stale.exists() and recent.exists()
+    assert all(Path(out).stat().st_size > 0 for out in outputs)

@@ -75,10 +75,11 @@ class StreamConfig:
     unread_timeout_s: float = 5.0
     max_streams_per_viewer: int = 1  # worlds or places in line per page / API client (Gradio session)
     max_streams_per_address: int = 4  # the same per client IP address (app option --max-per-address)
+    decode_slots: int = 2  # start pictures decoded at once, whoever sends them (bounds their memory and CPU)
 
     def __post_init__(self) -> None:
-        if self.max_streams_per_viewer < 1 or self.max_streams_per_address < 1:
-            raise ValueError("max_streams_per_viewer and max_streams_per_address must be at least 1")
+        if min(self.max_streams_per_viewer, self.max_streams_per_address, self.decode_slots) < 1:
+            raise ValueError("max_streams_per_viewer, max_streams_per_address and decode_slots must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -364,6 +365,7 @@ class LiveService:
         self.recordings_root.mkdir(parents=True, exist_ok=True)
         self._registry = _Registry()
         self._executor = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="lingbot-stream")
+        self._decode_gate = threading.BoundedSemaphore(config.decode_slots)
 
     # -- the stream --------------------------------------------------------------------------------
 
@@ -374,13 +376,14 @@ class LiveService:
         viewer: the Gradio session hash (the world obeys only it); address: the client's IP address;
         unread: how many of this stream's updates wait undelivered (see _ReadWatch).
         """
-        # Decoding and fitting the image is the costly check: on a worker thread, not the event loop.
-        image, prompt, seed = await self._call(check_start, image, prompt, seed, self.model_config)
+        # The claim comes first, so one client cannot make the server decode many pictures at once; the
+        # decode (the costly check) runs on a worker thread, at most `decode_slots` at a time.
         claim = self._claim(viewer, address)
-        self._background(self.sweep)
-        watch = _ReadWatch(unread, self.clock, self.config.unread_timeout_s)
         ticket_id, record = None, None
         try:
+            image, prompt, seed = await self._call(self._check_start, image, prompt, seed)
+            self._background(self.sweep)
+            watch = _ReadWatch(unread, self.clock, self.config.unread_timeout_s)
             while True:
                 ticket = await self._admit(image, prompt, seed, ticket_id)
                 if ticket.admission is Admission.ADMITTED:
@@ -534,6 +537,12 @@ class LiveService:
         except RuntimeError:  # shut down already: run it here
             fn(*args)
 
+    def _check_start(self, image, prompt, seed) -> tuple[Any, str, int]:
+        """check_start behind the decode gate: however many clients upload at once, at most
+        `decode_slots` pictures are decoded together (each may take ~150 MiB and most of a core)."""
+        with self._decode_gate:
+            return check_start(image, prompt, seed, self.model_config)
+
     async def _call(self, fn, *args):
         """Run a blocking call (engine locks, encoding) off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -628,7 +637,7 @@ class LiveService:
     def reset(self, session_id: str, image, prompt, seed, viewer: str | None = None) -> str:
         """A new world (image, prompt, seed) in the same session and the same stream."""
         record = self._record(session_id, viewer)
-        image, prompt, seed = check_start(image, prompt, seed, self.model_config)
+        image, prompt, seed = self._check_start(image, prompt, seed)
         try:
             self.engine.reset(record.session_id, image, prompt, seed)
         except UnknownSession:
