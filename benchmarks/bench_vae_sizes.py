@@ -1,0 +1,100 @@
+"""What candidate embedded VAE sizes cost per block: streaming condition encode and streaming decode (fp32, eager).
+
+    python benchmarks/bench_vae_sizes.py [--variants 128x224:16:8:16 96x160:16:8:16 ...] [--reps 3]
+                                         [--threads 1 2]
+
+A variant is HEIGHTxWIDTH (multiples of 32):BASE_DIM:DECODER_BASE_DIM:Z_DIM of diffusers'
+AutoencoderKLWan (the rest as the Wan 2.1 VAE), with seeded random weights (speed does not depend on
+the weights). Per variant and thread count it streams block 0 through lingbot_core/model/vae_stream.py
+(fills the causal caches), then times, from those same states, the condition encode of block 1 (three
+chunks of four frames) and the decode of one block's three latent frames into 12 pixel frames. Prints
+the median of --reps in ms, the encoder and decoder parameters, the CPU kind and the load average (the
+machine is shared: compare rows of one run, not across runs).
+
+A measurement for choosing the trained embedded VAE (issue 11: a whole block <= 750 ms on 2 AVX2
+cores in fp32); it changes no preset. The engine caches the condition stream and stops encoding once
+it reaches its fixed point, so the encode column bounds the early blocks; decode is paid every block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lingbot_core.config import PRESETS  # noqa: E402
+from lingbot_core.model.vae_stream import (ConditionStream, DecoderStream, build_vae, decode_block,  # noqa: E402
+                                           encode_condition_block)
+
+from bench_render import cpu_kind  # noqa: E402
+
+DEFAULT_VARIANTS = ["128x224:16:8:16", "96x160:16:8:16", "96x160:12:8:16", "96x160:8:8:8", "64x128:16:8:16",
+                    "64x128:8:8:8"]
+
+
+def variant_config(spec: str):
+    size, base, decoder, z = spec.split(":")
+    height, width = (int(v) for v in size.lower().split("x"))
+    z_dim = int(z)
+    base_config = PRESETS["embedded"]
+    vae = dict(base_config.vae, base_dim=int(base), decoder_base_dim=int(decoder), z_dim=z_dim,
+               latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim)
+    transformer = dataclasses.replace(base_config.transformer, out_channels=z_dim,
+                                      in_channels=2 * z_dim + base_config.transformer.mask_channels)
+    return dataclasses.replace(base_config, name=f"vae-{spec}", height=height, width=width, vae=vae,
+                               transformer=transformer)
+
+
+def _median_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - started))
+    return statistics.median(times)
+
+
+def measure(spec: str, threads: list[int], reps: int) -> dict:
+    config = variant_config(spec)
+    vae = build_vae(config, torch.float32, "cpu", seed=0)
+    image = torch.rand(1, 3, config.height, config.width) * 2 - 1
+    latents = torch.randn(1, config.vae["z_dim"], config.transformer.num_frames_per_block, config.latent_height,
+                          config.latent_width)
+    result = {"spec": spec, "enc_params": sum(p.numel() for p in vae.encoder.parameters()),
+              "dec_params": sum(p.numel() for p in vae.decoder.parameters())}
+    for n in threads:
+        torch.set_num_threads(n)
+        _, condition = encode_condition_block(vae, ConditionStream.start(image), 0, config)
+        frames, decoder = decode_block(vae, DecoderStream(), latents)
+        result[f"encode_{n}"] = _median_ms(lambda: encode_condition_block(vae, condition, 1, config), reps)
+        result[f"decode_{n}"] = _median_ms(lambda: decode_block(vae, decoder, latents), reps)
+        result["frames"] = decode_block(vae, decoder, latents)[0].shape[2]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    args = parser.parse_args()
+    columns = "".join(f" {'enc ' + str(n) + 't':>8} {'dec ' + str(n) + 't':>8}" for n in args.threads)
+    print(f"{'variant HxW:base:dec:z':>24} {'enc par':>8} {'dec par':>8}{columns}   (ms, median of {args.reps})")
+    for spec in args.variants:
+        r = measure(spec, args.threads, args.reps)
+        cells = "".join(f" {r[f'encode_{n}']:>8.0f} {r[f'decode_{n}']:>8.0f}" for n in args.threads)
+        print(f"{r['spec']:>24} {r['enc_params'] / 1e3:>7.0f}k {r['dec_params'] / 1e3:>7.0f}k{cells}", flush=True)
+    print(f"CPU: {cpu_kind()}; fp32 eager; encode = condition block 1 (12 frames), decode = {r['frames']} frames "
+          f"of block 1; load average {os.getloadavg()[0]:.1f} at the end")
+
+
+if __name__ == "__main__":
+    main()
