@@ -1,7 +1,7 @@
 """What candidate embedded VAE sizes cost per block: streaming condition encode and streaming decode (fp32, eager).
 
     python benchmarks/bench_vae_sizes.py [--variants 128x224:16:8:16 96x160:16:8:16 ...] [--reps 3]
-                                         [--threads 1 2]
+                                         [--threads 1 2] [--conv-size 64x128]
 
 A variant is HEIGHTxWIDTH (multiples of 32):BASE_DIM:DECODER_BASE_DIM:Z_DIM of diffusers'
 AutoencoderKLWan (the rest as the Wan 2.1 VAE), with seeded random weights (speed does not depend on
@@ -10,6 +10,12 @@ the weights). Per variant and thread count it streams block 0 through lingbot_co
 chunks of four frames) and the decode of one block's three latent frames into 12 pixel frames. Prints
 the median of --reps in ms, the encoder and decoder parameters, the CPU kind and the load average (the
 machine is shared: compare rows of one run, not across runs).
+
+Then, on one thread, one causal 3x3x3 convolution as the decoder runs it (16 -> 16 channels over 2 cached
++ 1 new frame, padded, at --conv-size): batch 1, which PyTorch's CPU heuristic sends to its slow im2col
+kernel (`slow_conv3d`: oneDNN only when batch x channels x frames x height > 20480 for batch 1), against
+the same input as a batch of two, which goes to oneDNN, per sample. `--variants` with no value prints
+only this line.
 
 A measurement for choosing the trained embedded VAE (issue 11: a whole block <= 750 ms on 2 AVX2
 cores in fp32); it changes no preset. The engine caches the condition stream and stops encoding once
@@ -80,11 +86,29 @@ def measure(spec: str, threads: list[int], reps: int) -> dict:
     return result
 
 
+@torch.no_grad()
+def conv_paths(height: int, width: int, reps: int) -> tuple[float, float]:
+    """Median ms of one padded 3x3x3 conv over 3 frames: batch 1 (slow path), and per sample of batch 2 (oneDNN)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        weight = torch.randn(16, 16, 3, 3, 3)
+        one = torch.randn(1, 16, 3, height + 2, width + 2)
+        two = torch.cat([one, one])
+        torch.nn.functional.conv3d(one, weight), torch.nn.functional.conv3d(two, weight)  # warm-up
+        slow = _median_ms(lambda: torch.nn.functional.conv3d(one, weight), reps)
+        onednn = _median_ms(lambda: torch.nn.functional.conv3d(two, weight), reps) / 2
+    finally:
+        torch.set_num_threads(threads)
+    return slow, onednn
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
+    parser.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--conv-size", default="64x128")
     args = parser.parse_args()
     columns = "".join(f" {'enc ' + str(n) + 't':>8} {'dec ' + str(n) + 't':>8}" for n in args.threads)
     print(f"{'variant HxW:base:dec:z':>24} {'enc par':>8} {'dec par':>8}{columns}   (ms, median of {args.reps})")
@@ -92,7 +116,11 @@ def main() -> None:
         r = measure(spec, args.threads, args.reps)
         cells = "".join(f" {r[f'encode_{n}']:>8.0f} {r[f'decode_{n}']:>8.0f}" for n in args.threads)
         print(f"{r['spec']:>24} {r['enc_params'] / 1e3:>7.0f}k {r['dec_params'] / 1e3:>7.0f}k{cells}", flush=True)
-    print(f"CPU: {cpu_kind()}; fp32 eager; encode = condition block 1 (12 frames), decode = {r['frames']} frames "
+    height, width = (int(v) for v in args.conv_size.lower().split("x"))
+    slow, onednn = conv_paths(height, width, max(args.reps, 5))
+    print(f"one causal conv 16->16 ch, 3 frames, {height}x{width}, 1 thread: batch 1 (slow_conv3d) {slow:.1f} ms; "
+          f"batch 2 (oneDNN) {onednn:.1f} ms per sample")
+    print(f"CPU: {cpu_kind()}; fp32 eager; encode = condition block 1 (12 frames), decode = 12 frames "
           f"of block 1; load average {os.getloadavg()[0]:.1f} at the end")
 
 
