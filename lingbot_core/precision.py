@@ -170,5 +170,6 @@ def choose_precision(requested: str, device: torch.device | str, load: Callable[
     parts = load(DTYPES["bf16"])
     precision = precision_from_probe({name: probe(parts, dtype) for name, dtype in DTYPES.items()}, cpu)
     if precision.name != "bf16":
+        del parts  # before loading again, so the two copies are never held together
         parts = load(precision.dtype)
     return parts, precision

@@ -34,9 +34,11 @@ def test_stages_are_printed_with_their_time_and_details():
     assert 0.0 <= process_age_s() < 24 * 3600  # stamps count from the process start, imports included
 
 
-def test_without_a_log_stages_are_silent():
+def test_without_a_log_stages_are_silent(capsys):
     with maybe_stage(None, "memory probe") as details:
         details.append("nothing printed")
+    assert details == ["nothing printed"]  # the stage body ran with a usable details list
+    assert capsys.readouterr() == ("", "")  # and nothing reached stdout or stderr
 
 
 def test_the_page_header_names_the_precision_and_its_reason():

@@ -307,3 +307,39 @@ def test_refuses_vae_that_does_not_match_the_model_config(vae64):
         check_streamable(vae64, wrong_latent)
     with pytest.raises(VaeNotStreamableError, match="vae_temporal_factor"):
         check_streamable(vae64, dataclasses.replace(CFG, vae_temporal_factor=8))
+
+
+def test_a_shared_streams_byte_count_never_waits_for_a_running_encode(monkeypatch):
+    """Engine.stats() (every block, every viewer) asks the shared streams for their bytes while holding the
+    engine's lock; if that waited for another session's encoder pass (seconds on a CPU), every viewer's
+    next message, key press and admission would wait too."""
+    import threading
+
+    from lingbot_core.model import vae_stream
+
+    config = CFG
+    encoding, release = threading.Event(), threading.Event()
+    real_encode = vae_stream.encode_condition_block
+
+    def held_encode(*args, **kwargs):
+        encoding.set()
+        release.wait(60)
+        return real_encode(*args, **kwargs)
+
+    monkeypatch.setattr(vae_stream, "encode_condition_block", held_encode)
+    vae = build_vae(config, torch.float32, "cpu", seed=0)
+    shared = vae_stream.SharedCondition(_image(torch.float32))
+    before = shared.nbytes()
+    encoder = threading.Thread(target=shared.block, args=(vae, 0, config))
+    encoder.start()
+    try:
+        assert encoding.wait(60)
+        counted: list[int] = []
+        reader = threading.Thread(target=lambda: counted.append(shared.nbytes()))
+        reader.start()
+        reader.join(30)
+        assert counted == [before], "nbytes waited for the encode (or changed before the block was kept)"
+    finally:
+        release.set()
+        encoder.join(60)
+    assert shared.blocks_known == 1 and shared.nbytes() > before

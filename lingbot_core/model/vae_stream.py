@@ -229,6 +229,9 @@ class SharedCondition:
         self._blocks: list[torch.Tensor] = []
         self._lock = threading.Lock()  # sessions of one engine step on one thread; scripts may not
         self.encoded = 0  # encoder passes run (each block once)
+        # Kept current under the lock, read without it: admission and telemetry must never wait for an
+        # encoder pass (seconds on a CPU) that another session is running.
+        self._nbytes = self._count_bytes()
 
     @property
     def fixed(self) -> bool:
@@ -248,13 +251,17 @@ class SharedCondition:
             self.encoded += 1
             self._blocks.append(condition)
             self._frontier = None if frontier.fixed else frontier
+            self._nbytes = self._count_bytes()
             return condition
 
     def nbytes(self) -> int:
-        with self._lock:
-            frontier = self._frontier
-            return _held_bytes([*self._blocks, *([frontier.image, frontier.condition, *(frontier.history or [])]
-                                                 if frontier is not None else [])])
+        """Bytes held (blocks so far and the encoder frontier); never waits for a running encode."""
+        return self._nbytes
+
+    def _count_bytes(self) -> int:
+        frontier = self._frontier
+        return _held_bytes([*self._blocks, *([frontier.image, frontier.condition, *(frontier.history or [])]
+                                             if frontier is not None else [])])
 
 
 def _condition_pixel_chunks(vae: AutoencoderKLWan, state: ConditionStream, block_index: int,
