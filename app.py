@@ -143,7 +143,7 @@ def default_device() -> str:
 
 
 def create_engine(model: str | None = None, *, device: str | None = None, dtype: str = AUTO,
-                  engine_config: EngineConfig = EngineConfig(), compile: bool = False,
+                  engine_config: EngineConfig = EngineConfig(), compile: bool | None = None,
                   preset: str | None = None, log: StartupLog | None = None) -> Engine:
     """Load the model (embedded by default, never downloaded unless a Hub id is chosen) and start an engine.
 
@@ -152,6 +152,7 @@ def create_engine(model: str | None = None, *, device: str | None = None, dtype:
     preset: tests only ("tiny", or $LINGBOT_TEST_PRESET): the embedded model at a test size. A test preset
     runs in fp32 under "auto": it checks the machinery, and fp32 is fast on every CPU (bf16 is emulated,
     ~20x slower, on CPUs without AMX or AVX512-BF16), so the tests take the same time everywhere.
+    compile: None compiles where it pays (CUDA; see load_pipeline), True/False force it.
     log: prints each start-up stage with its time.
     """
     source = model or os.environ.get("LINGBOT_MODEL") or "embedded"
@@ -546,7 +547,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=AUTO,
                         help="auto (default): bf16 on CUDA and on CPUs where it runs natively and a probe shows "
                              "it faster, else fp32")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile the transformer blocks and the VAE decode step (default: on CUDA only; "
+                             "on a CPU a cold compile takes minutes)")
     parser.add_argument("--max-sessions", type=int,
                         help="cap on concurrent worlds on top of the memory budget (default: 2 on a CPU, where "
                              "compute runs out long before memory, else none)")
