@@ -107,6 +107,20 @@ def _counting_steps(monkeypatch, pipe) -> list:
 # Admission
 
 
+def test_the_memory_probe_runs_no_block_of_the_model(pipe, clock, monkeypatch):
+    """Start-up stays cheap: the footprint comes from shapes and a small-frame VAE stream, never a whole block
+    (tests/test_session.py checks its figures against a real rollout)."""
+    steps = _counting_steps(monkeypatch, pipe)
+    forwards = []
+    handle = pipe.transformer.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        engine = _engine(pipe, clock, max_sessions=1)
+    finally:
+        handle.remove()
+    assert steps == [] and forwards == [] and engine.footprint.condition > 0
+    engine.shutdown()
+
+
 def test_admission_by_bytes_waits_in_line_then_refuses(pipe, image, clock):
     probe = _engine(pipe, clock, max_sessions=1)
     one, reserve = probe.session_bytes, probe.reserved_bytes
