@@ -211,9 +211,9 @@ def test_a_prompt_that_is_not_unicode_text_is_refused_at_the_boundary(server, he
         check_start(FOREST, "a\ud800b", 0, engine.pipeline.config)
 
 
-def test_an_event_whose_application_fails_is_dropped_and_the_world_goes_on(server, healthy, monkeypatch):
-    _, engine, _ = server
-    pipeline_type = type(engine.pipeline)
+def _poison_prompt_switches(pipeline, monkeypatch) -> None:
+    """Make switching to the prompt "poison" raise inside the block step, as a broken event would."""
+    pipeline_type = type(pipeline)
     with_prompt = pipeline_type.with_prompt
 
     def failing_with_prompt(self, state, prompt):
@@ -222,6 +222,11 @@ def test_an_event_whose_application_fails_is_dropped_and_the_world_goes_on(serve
         return with_prompt(self, state, prompt)
 
     monkeypatch.setattr(pipeline_type, "with_prompt", failing_with_prompt)
+
+
+def test_an_event_whose_application_fails_is_dropped_and_the_world_goes_on(server, healthy, monkeypatch):
+    _, engine, _ = server
+    _poison_prompt_switches(engine.pipeline, monkeypatch)
     victim = Viewer(server[0], seed=4)
     try:
         assert victim.act(1, ["w"]) == "queued 1 event(s)"
@@ -248,15 +253,7 @@ def test_engine_drops_the_failing_events_and_runs_on_without_new_input(tiny_pipe
     try:
         victim = engine.admit(start_image, "a forest", 0).session_id
         other = engine.admit(start_image, "a forest", 1).session_id
-        pipeline_type = type(tiny_pipeline)
-        with_prompt = pipeline_type.with_prompt
-
-        def failing_with_prompt(self, state, prompt):
-            if prompt == "poison":
-                raise RuntimeError("this prompt cannot be applied")
-            return with_prompt(self, state, prompt)
-
-        monkeypatch.setattr(pipeline_type, "with_prompt", failing_with_prompt)
+        _poison_prompt_switches(tiny_pipeline, monkeypatch)
         engine.post_event(victim, {"event_id": 1, "keys": ["w"], "prompt": "poison"})
         received = {victim: [], other: []}
         for _ in range(8):
