@@ -10,7 +10,6 @@ closing the tab closes the engine session. A screenshot goes to artifacts/ (giti
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import time
 from pathlib import Path
@@ -26,8 +25,9 @@ if not CHROMIUM.exists():
                 allow_module_level=True)
 playwright_api = pytest.importorskip("playwright.sync_api", reason="the playwright Python package is not installed")
 
-import app as lingbot_app  # noqa: E402
 from lingbot_core.serving.engine import EngineConfig  # noqa: E402
+from lingbot_core.serving.streaming import StreamConfig  # noqa: E402
+from tests.app_driver import running_app  # noqa: E402
 from lingbot_core.video import count_frames  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:::gradio.queueing")
@@ -46,22 +46,10 @@ VIDEO_STATE = """() => {
 }"""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    engine = lingbot_app.create_engine(preset="tiny", engine_config=EngineConfig(max_sessions=2))
-    app = lingbot_app.build_demo(engine, workdir=tmp_path_factory.mktemp("app"))
-    _, url, _ = app.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True)
-    try:
+    with running_app(EngineConfig(max_sessions=2), StreamConfig(), tmp_path_factory.mktemp("app")) as (url, engine, _):
         yield url, engine
-    finally:
-        app.close()
-        engine.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ and the app's /generate endpoint with an official 961-frame example dropped whol
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
@@ -17,7 +16,6 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import app as lingbot_app  # noqa: E402
 from gradio_client import Client, handle_file  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 from lingbot_core.example_folder import (  # noqa: E402
@@ -29,6 +27,7 @@ from lingbot_core.example_folder import (  # noqa: E402
 from lingbot_core.serving.engine import EngineConfig  # noqa: E402
 from lingbot_core.serving.streaming import StreamConfig  # noqa: E402
 from lingbot_core.video import count_frames  # noqa: E402
+from tests.app_driver import running_app  # noqa: E402
 from tests.test_generate import official_example_folder  # noqa: E402
 
 FOREST = Path(__file__).resolve().parent.parent / "examples" / "forest.png"
@@ -117,26 +116,11 @@ def test_not_a_folder(tmp_path):
 
 # ---- the app's offline tab ------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    engine = lingbot_app.create_engine(preset="tiny", engine_config=EngineConfig(max_sessions=1))
-    try:
-        app = lingbot_app.build_demo(engine, stream_config=StreamConfig(lead_s=1e6),
-                                     workdir=tmp_path_factory.mktemp("app"), offline_max_blocks=2)
-        _, url, _ = app.launch(server_name="127.0.0.1", server_port=_free_port(), prevent_thread_lock=True,
-                               quiet=True)
-        try:
-            yield url, engine
-        finally:
-            app.close()
-    finally:
-        engine.shutdown()
+    with running_app(EngineConfig(max_sessions=1), StreamConfig(lead_s=1e6), tmp_path_factory.mktemp("app"),
+                     offline_max_blocks=2) as (url, engine, _):
+        yield url, engine
 
 
 def test_the_app_takes_an_official_example_dropped_whole(server, example, tmp_path):
