@@ -277,20 +277,22 @@ LINGBOT_WORLD_V2_14B = ModelConfig(
     vae=dict(WAN21_VAE),
 )
 
-# CPU size: same architecture, random weights from a fixed seed, no download.
+# CPU size: same architecture, sized so a whole block runs in realtime on 2 AVX2 cores in fp32
+# (benchmarks/bench_block.py prints the split). 96x160 pixels = 6x10 tokens a frame; the cache keeps
+# one sink block and two recent blocks, so a rollout starts sliding its window at block 4.
 EMBEDDED = ModelConfig(
     name="embedded",
     transformer=TransformerConfig(
         num_attention_heads=4, attention_head_dim=64, text_dim=64, freq_dim=256, ffn_dim=1024,
-        num_layers=4,
+        num_layers=4, sink_size=3, sliding_window_num_frames=12,
     ),
-    # A narrow decoder: streaming decode dominates the CPU block time (base 16: ~760 ms of a 1080 ms block).
+    # A narrow decoder: streaming decode is paid every block (base 16 / decoder 8: ~350 ms of 12 frames).
     vae=dict(WAN21_VAE, base_dim=16, decoder_base_dim=8),
     text=TextConfig(),
-    # Our own preset keeps the real model's field of view at 832x480 (fx = 500 * 224 / 832 here).
+    # Our own preset keeps the real model's field of view at 832x480 (fx = 500 * 160 / 832 here).
     camera=CameraConfig(focal_at="reference"),
-    height=128,
-    width=224,
+    height=96,
+    width=160,
     weights_seed=0,
     trained=False,
 )

@@ -50,9 +50,13 @@ from transformers import T5TokenizerFast, UMT5EncoderModel
 from lingbot_core.config import EMBEDDED, ModelConfig, TextConfig, TransformerConfig
 from lingbot_core.model.text import TextEncoder, build_embedded_text_encoder
 from lingbot_core.model.transformer import CausalLingBotWorldTransformer3DModel
+from lingbot_core.model.cpu_kernels import use_fast_cpu_kernels
 from lingbot_core.model.vae_stream import build_vae, check_streamable
 
 EMBEDDED_SOURCE = "embedded"
+# The trained embedded model ships in the repository in the real checkpoint's layout (training/export.py
+# writes it; its README is the model card). Without it, "embedded" falls back to seeded random weights.
+EMBEDDED_FOLDER = Path(__file__).resolve().parent / "embedded_model"
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32, torch.float64)  # float64: exactness tests only
 
 TRANSFORMER_WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -92,7 +96,8 @@ def load_pipeline_parts(source: str | Path, *, dtype: torch.dtype = torch.bfloat
                         width: int | None = None, cache_dir: str | Path | None = None) -> LoadedParts:
     """Build the transformer, VAE and text encoder from `source`.
 
-    source:        "embedded" (config.EMBEDDED, weights from its seed), a local folder, or a Hub repo id.
+    source:        "embedded" (config.EMBEDDED: the trained weights in EMBEDDED_FOLDER, or weights from its
+                   seed where that folder is absent), a local folder, or a Hub repo id.
     allow_download: a Hub id not in the local Hugging Face cache is downloaded only when True.
     preset_hint:   fields a checkpoint does not carry (text, sampler, camera, fps, height, width, name);
                    the checkpoint's own transformer and VAE configs always win.
@@ -102,7 +107,11 @@ def load_pipeline_parts(source: str | Path, *, dtype: torch.dtype = torch.bfloat
     if isinstance(source, str) and source == EMBEDDED_SOURCE:
         config = _with_size(preset_hint if preset_hint is not None and preset_hint.weights_seed is not None
                             else EMBEDDED, height, width)
-        return build_seeded_parts(config, config.weights_seed, dtype=dtype, device=device)
+        if (EMBEDDED_FOLDER / "model_index.json").is_file() and config.name == EMBEDDED.name:
+            return load_folder(EMBEDDED_FOLDER, dtype=dtype, device=device, preset_hint=config, height=height,
+                               width=width)
+        return build_seeded_parts(dataclasses.replace(config, trained=False), config.weights_seed, dtype=dtype,
+                                  device=device)
     folder = _resolve_folder(source, allow_download=allow_download, cache_dir=cache_dir)
     return load_folder(folder, dtype=dtype, device=device, preset_hint=preset_hint, height=height, width=width)
 
@@ -288,6 +297,7 @@ def _load_vae(subfolder: Path, dtype: torch.dtype, device: torch.device | str) -
             vae = AutoencoderKLWan.from_pretrained(subfolder, torch_dtype=dtype)
     except (OSError, ValueError, RuntimeError) as error:
         raise CheckpointError(f"cannot load the VAE from {subfolder}: {error}") from error
+    use_fast_cpu_kernels(vae)
     return vae.to(device=device).eval().requires_grad_(False)
 
 

@@ -174,3 +174,35 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+class StoredClips:
+    """The clips a `python -m training.data` run wrote to a folder, held in memory (uint8).
+
+    `count` clips, indices 0 .. count - 1, are required to exist: a training run names exactly the
+    data it was trained on, so resuming it later reads the same clips.
+    """
+
+    def __init__(self, folder: str | Path, count: int) -> None:
+        self.folder = Path(folder).expanduser()
+        paths = [self.folder / f"clip_{i:07d}.npz" for i in range(count)]
+        missing = [p.name for p in paths if not p.exists()]
+        if missing:
+            raise ValueError(f"{self.folder}: {len(missing)} of {count} clips missing (first {missing[0]}); render "
+                             f"them with python -m training.data --out {self.folder} --clips {count}")
+        self.items = []
+        for path in paths:
+            with np.load(path) as data:
+                self.items.append({k: data[k] for k in ("video", "actions", "latent_poses", "intrinsics",
+                                                          "world_seed")})
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def video(self, index: int, start: int = 0, frames: int | None = None) -> torch.Tensor:
+        """Pixel frames start .. start + frames - 1 of clip `index`: [3, T, H, W] float32 in [-1, 1]."""
+        video = self.items[index]["video"]
+        stop = len(video) if frames is None else start + frames
+        if not 0 <= start < stop <= len(video):
+            raise ValueError(f"frames {start}..{stop} outside clip {index} of {len(video)} frames")
+        return torch.from_numpy(video[start:stop]).permute(3, 0, 1, 2).float() / 127.5 - 1.0

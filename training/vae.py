@@ -57,7 +57,7 @@ from lingbot_core.config import PRESETS, ModelConfig
 from lingbot_core.model.vae_stream import (ConditionStream, DecoderStream, build_vae, check_streamable,
                                            decode_block, decode_latent_frame, encode_condition_block)
 from lingbot_core.world import HELD_OUT_SEEDS
-from training.data import ClipDataset, make_clip
+from training.data import ClipDataset, StoredClips, make_clip
 
 CHECKPOINT = "last.pt"
 LOG = "log.jsonl"
@@ -83,6 +83,19 @@ class VaeTrainConfig:
     seed: int = 0  # initial weights and posterior noise
     data_seed: int = 0
     supersample: int = 2
+    # Stored clips (python -m training.data) instead of rendering each step: clips_dir holds clips
+    # 0 .. stored_clips - 1; a batch item is a random window of 12 * blocks - 3 frames of one of them,
+    # cropped to crop_height x crop_width (0: the whole frame) and maybe mirrored left-right. The
+    # VAE is convolutional, so crops train the same weights at a fraction of the cost.
+    clips_dir: str | None = None
+    stored_clips: int = 0
+    crop_height: int = 0
+    crop_width: int = 0
+    # Second stage: start from another run's weights (init_from: its run folder) and train the decoder
+    # only, on the posterior mean. The encoder, and so the latent space a world model was trained on,
+    # stay exactly as they were, while the decoder keeps improving (on whole frames, for example).
+    init_from: str | None = None
+    decoder_only: bool = False
 
     def __post_init__(self) -> None:
         if self.loss not in ("l1", "mse"):
@@ -94,6 +107,13 @@ class VaeTrainConfig:
             raise ValueError(f"decoder_base_dim must be at least 1; got {self.decoder_base_dim}")
         if not (self.lr > 0 and math.isfinite(self.lr)) or self.kl_weight < 0 or self.weight_decay < 0:
             raise ValueError("lr must be positive, kl_weight and weight_decay non-negative")
+        if self.clips_dir is not None and self.stored_clips < 1:
+            raise ValueError("clips_dir needs stored_clips >= 1 (how many of its clips the run uses)")
+        if (self.crop_height or self.crop_width) and not (
+                0 < self.crop_height <= self.height and 0 < self.crop_width <= self.width
+                and self.crop_height % 16 == 0 and self.crop_width % 16 == 0):
+            raise ValueError(f"crop {self.crop_height}x{self.crop_width} must be multiples of 16 within "
+                             f"{self.height}x{self.width}")
         self.model_config()  # refuses sizes the model cannot run, before anything is written
 
     def model_config(self, base: ModelConfig = PRESETS["embedded"]) -> ModelConfig:
@@ -118,7 +138,11 @@ def new_vae(tc: VaeTrainConfig) -> AutoencoderKLWan:
 
 
 def new_optimizer(vae: AutoencoderKLWan, tc: VaeTrainConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(vae.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+    if tc.decoder_only:
+        vae.encoder.requires_grad_(False)
+        vae.quant_conv.requires_grad_(False)
+    return torch.optim.AdamW([p for p in vae.parameters() if p.requires_grad], lr=tc.lr,
+                             weight_decay=tc.weight_decay)
 
 
 def decode_unclamped(vae: AutoencoderKLWan, z: torch.Tensor) -> torch.Tensor:
@@ -132,8 +156,13 @@ def decode_unclamped(vae: AutoencoderKLWan, z: torch.Tensor) -> torch.Tensor:
 def losses(vae: AutoencoderKLWan, video: torch.Tensor, tc: VaeTrainConfig,
            generator: torch.Generator) -> dict[str, torch.Tensor]:
     """Loss terms on `video` [B, 3, T, H, W] in [-1, 1]: rec (per pixel), kl (per latent element), loss."""
-    posterior = vae.encode(video).latent_dist
-    recon = decode_unclamped(vae, posterior.sample(generator=generator))
+    if tc.decoder_only:
+        with torch.no_grad():
+            posterior = vae.encode(video).latent_dist
+        recon = decode_unclamped(vae, posterior.mean)
+    else:
+        posterior = vae.encode(video).latent_dist
+        recon = decode_unclamped(vae, posterior.sample(generator=generator))
     rec = (recon - video).abs().mean() if tc.loss == "l1" else (recon - video).square().mean()
     kl = 0.5 * (posterior.mean.square() + posterior.var - 1.0 - posterior.logvar).mean()
     return {"loss": rec + tc.kl_weight * kl, "rec": rec, "kl": kl}
@@ -216,8 +245,32 @@ def _one_thread(_: int) -> None:
     torch.set_num_threads(1)  # render workers: one thread each (see benchmarks/bench_render.py)
 
 
+def stored_batches(tc: VaeTrainConfig, first_step: int, steps: int) -> Iterator[torch.Tensor]:
+    """Batches of windows of stored clips; item j is a pure function of (data_seed, j), so runs resume exactly."""
+    stored = StoredClips(tc.clips_dir, tc.stored_clips)
+    frames = tc.model_config().pixel_frames_for_blocks(tc.blocks)
+    for step in range(first_step, steps):
+        items = []
+        for j in range(step * tc.batch, (step + 1) * tc.batch):
+            rng = np.random.default_rng([tc.data_seed, 7, j])
+            index = int(rng.integers(len(stored)))
+            total = stored.items[index]["video"].shape[0]
+            video = stored.video(index, int(rng.integers(total - frames + 1)), frames)
+            if tc.crop_height:
+                top = int(rng.integers(video.shape[2] - tc.crop_height + 1))
+                left = int(rng.integers(video.shape[3] - tc.crop_width + 1))
+                video = video[:, :, top:top + tc.crop_height, left:left + tc.crop_width]
+            if rng.random() < 0.5:
+                video = video.flip(-1)
+            items.append(video)
+        yield torch.stack(items)
+
+
 def batches(tc: VaeTrainConfig, first_step: int, steps: int, workers: int) -> Iterator[torch.Tensor]:
     """Videos [batch, 3, T, H, W] of steps first_step .. steps - 1: step s holds clips s*batch ... ."""
+    if tc.clips_dir:
+        yield from stored_batches(tc, first_step, steps)
+        return
     dataset = ClipDataset(tc.model_config(), tc.blocks, (steps - first_step) * tc.batch, tc.data_seed,
                           first_step * tc.batch, tc.supersample)
     loader = torch.utils.data.DataLoader(dataset, batch_size=tc.batch, num_workers=workers,
@@ -280,6 +333,9 @@ def train(tc: VaeTrainConfig, run_dir: Path, steps: int, *, workers: int = 0, ev
         generator.set_state(state["noise_rng"])
         step = state["step"]
         _rewrite_log(run_dir, step)
+    elif tc.init_from:
+        _, start = load_checkpoint(Path(tc.init_from).expanduser())
+        vae.load_state_dict(start["model"])
     if step >= steps:
         return vae
 
@@ -338,10 +394,13 @@ def _config_from_args(args: argparse.Namespace) -> VaeTrainConfig:
         height, width = (int(v) for v in args.size.lower().split("x"))
     except ValueError:
         raise ValueError(f"--size must be HEIGHTxWIDTH, for example 96x160; got {args.size!r}") from None
+    crop = tuple(int(v) for v in args.crop.lower().split("x")) if args.crop else (0, 0)
     return VaeTrainConfig(height=height, width=width, base_dim=args.base_dim,
                           decoder_base_dim=args.decoder_base_dim or None, z_dim=args.z_dim, blocks=args.blocks,
                           batch=args.batch, lr=args.lr, weight_decay=args.weight_decay, kl_weight=args.kl_weight,
-                          loss=args.loss, seed=args.seed, data_seed=args.data_seed, supersample=args.supersample)
+                          loss=args.loss, seed=args.seed, data_seed=args.data_seed, supersample=args.supersample,
+                          clips_dir=args.clips_dir, stored_clips=args.stored_clips, crop_height=crop[0],
+                          crop_width=crop[1], init_from=args.init_from, decoder_only=args.decoder_only)
 
 
 def main() -> None:
@@ -361,6 +420,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--data-seed", type=int, default=d.data_seed)
     parser.add_argument("--supersample", type=int, default=d.supersample)
+    parser.add_argument("--clips-dir", help="train on the clips stored here (python -m training.data) instead of rendering")
+    parser.add_argument("--stored-clips", type=int, default=0, help="how many stored clips (0 .. N-1) to use")
+    parser.add_argument("--crop", help="HxW crops of the stored clips (multiples of 16)")
+    parser.add_argument("--init-from", help="start from this run folder's weights")
+    parser.add_argument("--decoder-only", action="store_true", help="train the decoder only (encoder frozen)")
     parser.add_argument("--run-dir", help="checkpoint and log folder (default under ~/.cache/lingbot/train/vae/)")
     parser.add_argument("--eval-every", type=int, default=500)
     parser.add_argument("--eval-clips", type=int, default=4)

@@ -52,6 +52,7 @@ from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
 
 from lingbot_core.config import ModelConfig
+from lingbot_core.model.cpu_kernels import use_fast_cpu_kernels
 
 # `AutoencoderKLWan._encode` slices pixel frames into chunks of this many frames (a literal in
 # diffusers), so only a VAE whose temporal factor equals it encodes one latent frame per chunk.
@@ -76,6 +77,7 @@ def build_vae(model_config: ModelConfig, dtype: torch.dtype, device: torch.devic
               seed: int | None = None) -> AutoencoderKLWan:
     """An `AutoencoderKLWan` from `model_config.vae`, in eval mode without gradients.
 
+    Its convolutions and norms use the CPU kernels of `cpu_kernels.py` (a no-op on CUDA).
     With `seed`, the weights are the module's default init drawn from that seed (the global RNG is
     left untouched); without it, they come from the global RNG and are meant to be overwritten.
     """
@@ -86,6 +88,7 @@ def build_vae(model_config: ModelConfig, dtype: torch.dtype, device: torch.devic
     # nn.Module.to, not ModelMixin.to: the latter warns about fp32-kept modules even though this
     # class keeps none (its list is empty), on every build.
     torch.nn.Module.to(vae, device=device, dtype=dtype)
+    use_fast_cpu_kernels(vae)
     return vae.eval().requires_grad_(False)
 
 

@@ -1,0 +1,76 @@
+"""Two CPU kernels for the Wan VAE that PyTorch's defaults make slow at streaming sizes.
+
+1. 3D convolutions go to oneDNN whatever the batch size.
+
+PyTorch picks a CPU kernel for `conv3d` by a heuristic (ConvUtils `use_mkldnn`): for a batch of one
+with 3x3 kernels it uses oneDNN only when batch x channels x frames x height exceeds 20480, and
+otherwise its im2col kernel `slow_conv3d`. A streaming decoder runs exactly that case at every layer
+(one latent frame plus two cached ones, a few dozen channels), where `slow_conv3d` is 4-5x slower than
+oneDNN on the same input (`python benchmarks/bench_vae_sizes.py --variants` prints both) and was most
+of the embedded model's block time.
+
+`route_conv3d_to_onednn(vae)` makes each `Conv3d` of the module call `torch.mkldnn_convolution`
+directly for CPU float32 and bfloat16 inputs, the kernel the heuristic picks for larger inputs; the
+result is the same convolution (equal to `conv3d` within float rounding). Weights, state dict and
+checkpoint layout are untouched; CUDA tensors and other dtypes keep the module's own forward. It
+supports autograd, so training uses it too.
+
+2. The channel RMS norm (diffusers' `WanRMS_norm`, `F.normalize` over dim 1 of an NCTHW tensor) runs
+`linalg_vector_norm` as a strided reduction across channels, which took 44% of a streaming decode;
+`x * rsqrt(max(sum(x^2), eps^2))` over the same dim is the same function (equal within float rounding)
+and about 4x faster, because summing whole channel planes vectorises.
+
+`use_fast_cpu_kernels(vae)` applies both to one module's instances (nothing global is patched), and
+the streamed and one-shot paths of that module share them, so streamed == one-shot stays exact.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
+from torch import nn
+
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _onednn_conv_forward(self: nn.Conv3d, input: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    if (input.device.type != "cpu" or input.dtype not in _ONEDNN_DTYPES or self.padding_mode != "zeros"
+            or isinstance(self.padding, str) or not torch.backends.mkldnn.is_available()):
+        return nn.Conv3d._conv_forward(self, input, weight, bias)
+    return torch.mkldnn_convolution(input, weight, bias, list(self.padding), list(self.stride),
+                                    list(self.dilation), self.groups)
+
+
+def route_conv3d_to_onednn(module: nn.Module) -> int:
+    """Point every Conv3d in `module` at oneDNN on the CPU; returns how many were routed."""
+    routed = 0
+    for sub in module.modules():
+        if isinstance(sub, nn.Conv3d):
+            sub._conv_forward = types.MethodType(_onednn_conv_forward, sub)
+            routed += 1
+    return routed
+
+
+_NORMALIZE_EPS = 1e-12  # F.normalize's default, which WanRMS_norm uses
+
+
+def _channel_rms_norm_forward(self: WanRMS_norm, x: torch.Tensor) -> torch.Tensor:
+    if x.device.type != "cpu" or not self.channel_first:
+        return WanRMS_norm.forward(self, x)
+    compute = x.float() if x.dtype != torch.float32 else x  # WanRMS_norm normalises low precision in fp32
+    inverse = (compute * compute).sum(dim=1, keepdim=True).clamp_min(_NORMALIZE_EPS ** 2).rsqrt()
+    return (compute * inverse).to(x.dtype) * self.scale * self.gamma + self.bias
+
+
+def use_fast_cpu_kernels(module: nn.Module) -> int:
+    """Both kernels above on every Conv3d and channel-first WanRMS_norm of `module`; returns how many."""
+    count = route_conv3d_to_onednn(module)
+    for sub in module.modules():
+        if isinstance(sub, WanRMS_norm):
+            sub.forward = types.MethodType(_channel_rms_norm_forward, sub)
+            count += 1
+    return count

@@ -1,0 +1,80 @@
+"""Assemble the shipped embedded model folder from a VAE export and a world-model run.
+
+    python -m training.export --vae DIR/vae --world-run RUN_DIR [--out lingbot_core/embedded_model]
+
+The folder has the real checkpoint's diffusers layout (model_index.json, transformer/, vae/,
+text_encoder/, tokenizer/, scheduler/) in half precision, and `lingbot_core/loading.py` reads it with
+the same code as the published checkpoint. The text encoder is the embedded preset's seeded UMT5 (the
+world model was trained with it frozen), saved so that the folder is complete on its own.
+The model card (README.md) is written by hand next to it; this command leaves it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import diffusers
+import torch
+from diffusers import UniPCMultistepScheduler
+from safetensors.torch import save_file
+
+from lingbot_core.config import EMBEDDED
+from lingbot_core.loading import TRANSFORMER_WEIGHTS, build_seeded_parts
+from training.world import load_checkpoint, load_vae, model_config
+
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "lingbot_core" / "embedded_model"
+
+MODEL_INDEX = {
+    "_class_name": "LingBotWorldCausalPipeline",
+    "_diffusers_version": diffusers.__version__,
+    "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+    "text_encoder": ["transformers", "UMT5EncoderModel"],
+    "tokenizer": ["transformers", "T5TokenizerFast"],
+    "transformer": ["diffusers", "CausalLingBotWorldTransformer3DModel"],
+    "transformer_2": [None, None],
+    "vae": ["diffusers", "AutoencoderKLWan"],
+}
+
+
+def export(vae_folder: Path, world_run: Path, out: Path) -> Path:
+    _, state = load_checkpoint(world_run)
+    vae = load_vae(vae_folder)
+    config = model_config(vae)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=2) + "\n")
+
+    transformer = out / "transformer"
+    transformer.mkdir(exist_ok=True)
+    raw = dict(config.transformer.to_diffusers_config(), _diffusers_version=diffusers.__version__)
+    (transformer / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    weights = {name: t.detach().to(torch.float16).contiguous() for name, t in sorted(state["model"].items())}
+    save_file(weights, transformer / TRANSFORMER_WEIGHTS, metadata={"format": "pt"})
+
+    if (out / "vae").exists():
+        shutil.rmtree(out / "vae")
+    shutil.copytree(vae_folder, out / "vae")
+
+    text = build_seeded_parts(EMBEDDED, EMBEDDED.weights_seed, dtype=torch.float32).text_encoder
+    text.model.to(torch.float16).save_pretrained(out / "text_encoder")
+    text.tokenizer.save_pretrained(out / "tokenizer")
+    UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0,
+                            num_train_timesteps=1000).save_pretrained(out / "scheduler")
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    print(f"{out}: {size / 2**20:.1f} MiB, world model step {state['step']}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vae", required=True, help="python -m training.vae --export OUT wrote OUT/vae")
+    parser.add_argument("--world-run", required=True, help="the training.world run folder")
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    args = parser.parse_args()
+    export(Path(args.vae).expanduser(), Path(args.world_run).expanduser(), Path(args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,457 @@
+"""Train the embedded preset's world model (the causal transformer) on stored clips of train worlds.
+
+    python -m training.world --vae DIR/vae --clips-dir DIR --stored-clips N --steps S [--blocks 6] [--batch 2]
+                             [--lr 3e-4] [--rollout-from STEP] [--rollout-share 0.5] [--seed 0] [--run-dir DIR]
+                             [--threads 2]
+    python -m training.world --run-dir DIR --export OUT   # OUT/transformer/: fp16 safetensors, diffusers layout
+
+It trains exactly the structure inference runs (lingbot_core/rollout.py `step_block`):
+- the condition of block b is block b of the causal condition stream of the clip's start frame
+  followed by zero frames, with the mask on latent frame 0 (`vae_stream.condition_mask`);
+- the camera of block b is the Plücker map of its latent poses anchored on the previous block's last
+  pose, integrated from the clip's keys by `camera.integrate_actions` and normalised per block, as
+  for key input;
+- a block attends to its sink and recent-window context (`attention.context_frames`) through K/V
+  written by a t=0 forward of the clean context, and to its own frames non-causally;
+- its noisy latents sit at one of the sampler's four sigmas, x_t = (1 - s) x0 + s eps, the model
+  predicts v at timestep 1000 s, and the loss is the error of x0 = x_t - s v against the clip's
+  latents (the sampler's own update).
+
+Teacher forcing runs the blocks of a window in order, as inference does: each block's noisy forward
+reads the rotated K/V that the t=0 forwards of its context frames recorded (the same K/V the cache
+would hold, selected by the same sink/window rule), then its own clean t=0 forward records its K/V. From --rollout-from on, a share of
+the batches replaces the clean context with the model's own rollout (four sampler steps and a commit
+per block, no gradient), while the targets stay the rendered clip: the world is deterministic, so the
+right next block after an imperfect context is still the true one, and the model learns to pull its
+own drift back (the point of Self-Forcing, with a regression target that this world makes possible).
+
+Text conditioning is trivial: each step draws a prompt from PROMPTS (the app's example prompts and a
+few others), so the model learns to read the world from the picture and the keys whatever the prompt
+says, and prompt switching changes nothing it relies on.
+
+Reproducible and resumable as training/vae.py: step s uses batch items s*batch .. of the data seed,
+each a pure function of (data_seed, item); RUN_DIR/last.pt holds model, optimizer, step and RNG.
+The frozen VAE's latents of the stored clips are computed once into RUN_DIR/latents.pt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKLWan
+from tqdm import tqdm
+
+from lingbot_core.config import EMBEDDED, ModelConfig
+from lingbot_core.loading import build_seeded_parts
+from lingbot_core.model import camera
+from lingbot_core.model.attention import context_frames
+from lingbot_core.model.cpu_kernels import use_fast_cpu_kernels
+from lingbot_core.model.transformer import CausalLingBotWorldTransformer3DModel
+from lingbot_core.model.vae_stream import check_streamable, condition_mask
+from training.data import StoredClips, array_to_actions
+
+CHECKPOINT = "last.pt"
+LOG = "log.jsonl"
+LATENTS = "latents.pt"
+CHECKPOINT_FORMAT = 1
+
+PROMPTS = (
+    "A walk through a quiet countryside with trees, rocks and small houses.",
+    "A misty valley at dawn.",
+    "Green hills under a pale sky, a few houses in the distance.",
+    "A sunny afternoon in a village.",
+    "An open field with scattered trees and stones.",
+)
+
+
+@dataclass(frozen=True)
+class WorldTrainConfig:
+    """Everything that defines a run; a checkpoint resumes only under the same values."""
+
+    vae: str  # the exported VAE folder (python -m training.vae --export): latents and conditions come from it
+    clips_dir: str
+    stored_clips: int
+    blocks: int = 6  # blocks per training window, always from block 0 (the sink is the first block)
+    batch: int = 2
+    lr: float = 3e-4
+    weight_decay: float = 0.01
+    seed: int = 0
+    data_seed: int = 0
+    rollout_from: int = -1  # from this step on, a share of batches trains on self-generated context (-1: never)
+    rollout_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.blocks < 1 or self.batch < 1 or self.stored_clips < 1:
+            raise ValueError("blocks, batch and stored_clips must be at least 1")
+        if not 0.0 <= self.rollout_share <= 1.0:
+            raise ValueError("rollout_share must be within [0, 1]")
+
+
+def model_config(vae: AutoencoderKLWan) -> ModelConfig:
+    """The embedded preset with this VAE's config (its latents statistics included)."""
+    keys = ("base_dim", "decoder_base_dim", "z_dim", "dim_mult", "num_res_blocks", "attn_scales",
+            "temperal_downsample", "dropout", "latents_mean", "latents_std")
+    vae_kwargs = {k: (list(vae.config[k]) if isinstance(vae.config[k], (list, tuple)) else vae.config[k])
+                  for k in keys}
+    return dataclasses.replace(EMBEDDED, vae=dict(EMBEDDED.vae, **vae_kwargs), trained=True)
+
+
+def load_vae(folder: str | Path) -> AutoencoderKLWan:
+    vae = AutoencoderKLWan.from_pretrained(Path(folder).expanduser(), torch_dtype=torch.float32)
+    use_fast_cpu_kernels(vae)
+    return vae.eval().requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: latents, conditions and cameras of the stored clips
+
+
+def _normalised_mean(vae: AutoencoderKLWan, video: torch.Tensor) -> torch.Tensor:
+    """The posterior mean of `video`, normalised per channel as the condition encoder and decoder expect."""
+    mean = vae.encode(video).latent_dist.mean
+    z = vae.config.z_dim
+    stats_mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1)
+    stats_std = torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1)
+    return (mean - stats_mean) / stats_std
+
+
+@torch.no_grad()
+def encode_clips(vae: AutoencoderKLWan, config: ModelConfig, stored: StoredClips, blocks: int,
+                 batch: int = 8) -> dict[str, torch.Tensor]:
+    """Per clip: latents [z, F, h, w] of its first `blocks` blocks, and the condition stream of its
+    start frame for those blocks (the one-shot encode of [start, zeros...], which the streamed
+    condition encoder equals)."""
+    frames = config.pixel_frames_for_blocks(blocks)
+    latents, conditions = [], []
+    for first in tqdm(range(0, len(stored), batch), desc="encode", unit="batch"):
+        videos = torch.stack([stored.video(i, 0, frames) for i in range(first, min(first + batch, len(stored)))])
+        latents.append(_normalised_mean(vae, videos))
+        condition_video = torch.zeros_like(videos)
+        condition_video[:, :, 0] = videos[:, :, 0]
+        conditions.append(_normalised_mean(vae, condition_video))
+    actions = torch.stack([torch.from_numpy(stored.items[i]["actions"][: blocks * 3].astype(np.uint8))
+                           for i in range(len(stored))])
+    return {"latents": torch.cat(latents), "conditions": torch.cat(conditions), "actions": actions}
+
+
+def block_pluckers(config: ModelConfig, frame_actions, blocks: int) -> torch.Tensor:
+    """[F, 6, H, W] Plücker maps of `blocks` blocks of keys, exactly as step_block builds them."""
+    per_block = config.transformer.num_frames_per_block
+    state = camera.CameraState.initial()
+    maps = []
+    for b in range(blocks):
+        actions = tuple(frame_actions[b * per_block:(b + 1) * per_block])
+        poses, next_state = camera.integrate_actions(state, actions, config.camera)
+        intrinsics = camera.reference_intrinsics(config.camera, per_block, config.width, config.height)
+        maps.append(camera.plucker_block(state.pose, poses, intrinsics, config.width, config.height, config.camera))
+        state = next_state
+    return torch.cat(maps)
+
+
+# ---------------------------------------------------------------------------------------------
+# The two forwards of teacher forcing
+
+
+class RecordKV:
+    """The clean K/V of the blocks committed so far, per layer: [B, frames * tokens, H, D], frames in order."""
+
+    writes = True
+
+    def __init__(self) -> None:
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def context(self, layer: int):
+        return None
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer], self.v[layer] = k, v
+
+    def append(self, block: "RecordKV") -> None:
+        """Add one committed block's K/V after the frames already held."""
+        for layer in block.k:
+            if layer in self.k:
+                self.k[layer] = torch.cat([self.k[layer], block.k[layer]], 1)
+                self.v[layer] = torch.cat([self.v[layer], block.v[layer]], 1)
+            else:
+                self.k[layer], self.v[layer] = block.k[layer], block.v[layer]
+
+
+class ReadKV:
+    """Cache stand-in for a block's forward: the recorded K/V of its context frames, never written."""
+
+    writes = False
+
+    def __init__(self, record: RecordKV, frames: list[int], tokens_per_frame: int) -> None:
+        self.record, self.frames, self.tokens = record, frames, tokens_per_frame
+
+    def context(self, layer: int):
+        if not self.frames:
+            return None
+        k, v = self.record.k[layer], self.record.v[layer]
+        index = torch.cat([torch.arange(f * self.tokens, (f + 1) * self.tokens) for f in self.frames])
+        return k[:, index], v[:, index]
+
+
+def sampler_sigmas(config: ModelConfig) -> torch.Tensor:
+    return torch.tensor(config.sampler.sigmas(), dtype=torch.float32)
+
+
+def teacher_forced_loss(model: CausalLingBotWorldTransformer3DModel, config: ModelConfig, batch: dict,
+                        text_kv, generator: torch.Generator) -> torch.Tensor:
+    """Mean squared x0 error of every block given the context latents in batch['context'].
+
+    Block by block, as inference runs: a t=0 forward of the block's clean context latents reads the
+    K/V its context frames recorded and records its own (the commit), and a forward of its noisy
+    latents reads the same context (a denoise step). Gradients flow through the recorded K/V, so the
+    commit forward learns to write a useful cache. Attending per block instead of through one masked
+    sequence skips the masked-out pairs, most of them.
+    """
+    x0, context, extra, plucker = batch["latents"], batch["context"], batch["extra"], batch["plucker"]
+    b, _, frames = x0.shape[:3]
+    per_block = config.transformer.num_frames_per_block
+    tokens = config.tokens_per_frame
+    sigmas = sampler_sigmas(config)
+    choice = torch.randint(len(sigmas), (b, frames // per_block), generator=generator)
+    noise = torch.randn(x0.shape, generator=generator)
+    record = RecordKV()
+    losses = []
+    for block, start in enumerate(range(0, frames, per_block)):
+        own = slice(start, start + per_block)
+        reader = ReadKV(record, context_frames(start, config.transformer), tokens)
+        sigma = sigmas[choice[:, block]]  # [B]
+        s = sigma.view(b, 1, 1, 1, 1)
+        x_t = (1.0 - s) * x0[:, :, own] + s * noise[:, :, own]
+        v = model(torch.cat([x_t, extra[:, :, own]], 1), config.sampler.num_train_timesteps * sigma, text_kv,
+                  plucker[:, own], start, cache=reader)
+        losses.append(((x_t - s * v) - x0[:, :, own]).square().mean())
+        commit = _CommitKV(record, context_frames(start, config.transformer), tokens)
+        model(torch.cat([context[:, :, own], extra[:, :, own]], 1), torch.zeros(b), text_kv, plucker[:, own],
+              start, cache=commit)
+        record.append(commit)
+    return torch.stack(losses).mean()
+
+
+@torch.no_grad()
+def rollout_context(model: CausalLingBotWorldTransformer3DModel, config: ModelConfig, batch: dict, text_kv,
+                    generator: torch.Generator) -> torch.Tensor:
+    """The model's own latents for every block, sampled as step_block does (4 steps, then a t=0 commit)."""
+    extra, plucker = batch["extra"], batch["plucker"]
+    b, _, frames = extra.shape[:3]
+    per_block = config.transformer.num_frames_per_block
+    tokens = config.tokens_per_frame
+    shape = (b, config.transformer.out_channels, per_block, config.latent_height, config.latent_width)
+    sigmas = config.sampler.sigmas()
+    record = RecordKV()
+    out = []
+    for start in range(0, frames, per_block):
+        own = slice(start, start + per_block)
+        ctx = context_frames(start, config.transformer)
+        x = torch.randn(shape, generator=generator)
+        for step, sigma in enumerate(sigmas):
+            v = model(torch.cat([x, extra[:, :, own]], 1),
+                      torch.full((b,), config.sampler.num_train_timesteps * sigma), text_kv, plucker[:, own],
+                      start, cache=ReadKV(record, ctx, tokens))
+            x0 = x - sigma * v
+            if step + 1 < len(sigmas):
+                x = (1.0 - sigmas[step + 1]) * x0 + sigmas[step + 1] * torch.randn(shape, generator=generator)
+        commit = _CommitKV(record, ctx, tokens)
+        model(torch.cat([x0, extra[:, :, own]], 1), torch.zeros(b), text_kv, plucker[:, own], start, cache=commit)
+        record.append(commit)
+        out.append(x0)
+    return torch.cat(out, 2)
+
+
+class _CommitKV(RecordKV):
+    """Reads the block's context like ReadKV and records the block's own K/V like RecordKV."""
+
+    def __init__(self, record: RecordKV, frames: list[int], tokens: int) -> None:
+        super().__init__()
+        self.reader = ReadKV(record, frames, tokens)
+
+    def context(self, layer: int):
+        return self.reader.context(layer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Run
+
+
+class WorldData:
+    """Latents, conditions, Plücker maps and masks of the stored clips, in memory."""
+
+    def __init__(self, tc: WorldTrainConfig, config: ModelConfig, vae: AutoencoderKLWan, run_dir: Path) -> None:
+        path = run_dir / LATENTS
+        if path.exists():
+            encoded = torch.load(path, weights_only=True)
+        else:
+            encoded = encode_clips(vae, config, StoredClips(tc.clips_dir, tc.stored_clips), tc.blocks)
+            torch.save(encoded, path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)
+        self.latents, self.conditions = encoded["latents"], encoded["conditions"]
+        self.plucker = torch.stack([block_pluckers(config, array_to_actions(a.numpy()), tc.blocks)
+                                    for a in tqdm(encoded["actions"], desc="cameras", unit="clip")])
+        frames = tc.blocks * config.transformer.num_frames_per_block
+        mask = torch.cat([condition_mask(config, b, "cpu", torch.float32) for b in range(tc.blocks)], 2)
+        self.mask = mask
+        self.frames = frames
+
+    def batch(self, tc: WorldTrainConfig, step: int) -> dict:
+        index = [int(np.random.default_rng([tc.data_seed, 11, j]).integers(len(self.latents)))
+                 for j in range(step * tc.batch, (step + 1) * tc.batch)]
+        latents = self.latents[index]
+        extra = torch.cat([self.mask.expand(len(index), -1, -1, -1, -1), self.conditions[index]], 1)
+        return {"latents": latents, "context": latents, "extra": extra, "plucker": self.plucker[index]}
+
+
+def text_states(config: ModelConfig) -> torch.Tensor:
+    """[len(PROMPTS), Ltext, text_dim] from the embedded (seeded, frozen) text encoder."""
+    encoder = build_seeded_parts(config, config.weights_seed, dtype=torch.float32).text_encoder
+    return torch.cat([encoder.encode(p) for p in PROMPTS])
+
+
+def new_model(config: ModelConfig, seed: int) -> CausalLingBotWorldTransformer3DModel:
+    model = CausalLingBotWorldTransformer3DModel(config.transformer)
+    model.init_weights(torch.Generator().manual_seed(seed))
+    return model.train()
+
+
+def save_checkpoint(run_dir: Path, tc: WorldTrainConfig, step: int, model, optimizer, generator) -> None:
+    state = {"format": CHECKPOINT_FORMAT, "train_config": dataclasses.asdict(tc), "step": step,
+             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": generator.get_state()}
+    partial = run_dir / (CHECKPOINT + ".tmp")
+    torch.save(state, partial)
+    os.replace(partial, run_dir / CHECKPOINT)
+
+
+def load_checkpoint(run_dir: Path, tc: WorldTrainConfig | None = None) -> tuple[WorldTrainConfig, dict]:
+    path = run_dir / CHECKPOINT
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} is not a training.world checkpoint of format {CHECKPOINT_FORMAT}")
+    saved = WorldTrainConfig(**state["train_config"])
+    ignore = {"rollout_from", "rollout_share"}  # may change on resume: the curriculum is decided as it runs
+    if tc is not None:
+        diff = {k: (v, getattr(tc, k)) for k, v in dataclasses.asdict(saved).items()
+                if k not in ignore and getattr(tc, k) != v}
+        if diff:
+            raise ValueError(f"{path} was trained with other settings (checkpoint, asked): {diff}")
+    return saved, state
+
+
+def train(tc: WorldTrainConfig, run_dir: Path, steps: int, checkpoint_every: int = 25,
+          progress: bool = True) -> CausalLingBotWorldTransformer3DModel:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    vae = load_vae(tc.vae)
+    config = model_config(vae)
+    check_streamable(vae, config)
+    data = WorldData(tc, config, vae, run_dir)
+    texts = text_states(config)
+    model = new_model(config, tc.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.99))
+    generator = torch.Generator().manual_seed(tc.seed)
+    step = 0
+    if (run_dir / CHECKPOINT).exists():
+        _, state = load_checkpoint(run_dir, tc)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["rng"])
+        step = state["step"]
+    bar = tqdm(total=steps, initial=step, unit="step", disable=not progress, dynamic_ncols=True)
+    started = time.perf_counter()
+    with open(run_dir / LOG, "a") as log:
+        while step < steps:
+            batch = data.batch(tc, step)
+            prompt = torch.randint(len(PROMPTS), (1,), generator=generator).item()
+            use_rollout = tc.rollout_from >= 0 and step >= tc.rollout_from and \
+                torch.rand(1, generator=generator).item() < tc.rollout_share
+            model.train()
+            text_kv = model.prepare_text(texts[prompt:prompt + 1].expand(tc.batch, -1, -1))
+            if use_rollout:
+                model.eval()
+                batch["context"] = rollout_context(model, config, batch, text_kv, generator).detach()
+                model.train()
+                text_kv = model.prepare_text(texts[prompt:prompt + 1].expand(tc.batch, -1, -1))
+            loss = teacher_forced_loss(model, config, batch, text_kv, generator)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite loss at step {step}; lower --lr (the checkpoint is kept)")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            step += 1
+            record = {"step": step, "loss": round(loss.item(), 6), "rollout": use_rollout,
+                      "seconds": round(time.perf_counter() - started, 2)}
+            log.write(json.dumps(record) + "\n")
+            bar.set_postfix(loss=record["loss"])
+            bar.update(1)
+            if step % checkpoint_every == 0 or step == steps:
+                log.flush()
+                save_checkpoint(run_dir, tc, step, model, optimizer, generator)
+    bar.close()
+    return model
+
+
+def export_transformer(run_dir: Path, out: Path) -> Path:
+    """OUT/transformer/: config.json (the diffusers keys) and fp16 safetensors."""
+    from safetensors.torch import save_file
+
+    tc, state = load_checkpoint(run_dir)
+    config = model_config(load_vae(tc.vae))
+    folder = out / "transformer"
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.to(torch.float16).contiguous() for k, v in state["model"].items()}
+    save_file(weights, folder / "diffusion_pytorch_model.safetensors")
+    raw = {"_class_name": "CausalLingBotWorldTransformer3DModel", **config.transformer.to_diffusers_config()}
+    (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    d = WorldTrainConfig(vae="", clips_dir="", stored_clips=1)
+    parser.add_argument("--vae", help="exported VAE folder (holds config.json)")
+    parser.add_argument("--clips-dir")
+    parser.add_argument("--stored-clips", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=0)
+    parser.add_argument("--blocks", type=int, default=d.blocks)
+    parser.add_argument("--batch", type=int, default=d.batch)
+    parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--data-seed", type=int, default=d.data_seed)
+    parser.add_argument("--rollout-from", type=int, default=d.rollout_from)
+    parser.add_argument("--rollout-share", type=float, default=d.rollout_share)
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--checkpoint-every", type=int, default=25)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--export", metavar="DIR", help="write DIR/transformer/ from the run's checkpoint and stop")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    run_dir = Path(args.run_dir).expanduser()
+    try:
+        if args.export:
+            print(export_transformer(run_dir, Path(args.export)))
+            return
+        if not (args.vae and args.clips_dir and args.stored_clips and args.steps):
+            parser.error("--vae, --clips-dir, --stored-clips and --steps are required to train")
+        tc = WorldTrainConfig(vae=str(Path(args.vae).expanduser()), clips_dir=str(Path(args.clips_dir).expanduser()),
+                              stored_clips=args.stored_clips, blocks=args.blocks, batch=args.batch, lr=args.lr,
+                              weight_decay=args.weight_decay, seed=args.seed, data_seed=args.data_seed,
+                              rollout_from=args.rollout_from, rollout_share=args.rollout_share)
+        print(f"run {run_dir}")
+        train(tc, run_dir, args.steps, args.checkpoint_every)
+    except (ValueError, FloatingPointError) as error:
+        parser.exit(2, f"error: {error}\n")
+
+
+if __name__ == "__main__":
+    main()
