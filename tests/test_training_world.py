@@ -1,0 +1,74 @@
+"""training/world.py trains the structure inference runs: its per-block forwards equal the paged-cache ones."""
+
+import torch
+
+from lingbot_core.config import tiny_config
+from lingbot_core.kv_cache import KVPagePool, SessionKV
+from lingbot_core.model.transformer import CausalLingBotWorldTransformer3DModel
+from training.world import RecordKV, _CommitKV, ReadKV, rollout_context, teacher_forced_loss
+from lingbot_core.model.attention import context_frames
+
+
+def _model_and_inputs(blocks: int):
+    # sink one block, window of 3 blocks: the context slides from block 3 on
+    config = tiny_config(sink_size=3, sliding_window_num_frames=9)
+    torch.manual_seed(0)
+    model = CausalLingBotWorldTransformer3DModel(config.transformer)
+    model.init_weights(torch.Generator().manual_seed(0))
+    model.eval().requires_grad_(False)
+    frames = blocks * config.transformer.num_frames_per_block
+    t = config.transformer
+    x0 = torch.randn(1, t.out_channels, frames, config.latent_height, config.latent_width)
+    extra = torch.randn(1, t.in_channels - t.out_channels, frames, config.latent_height, config.latent_width)
+    plucker = torch.randn(1, frames, t.camera_channels, config.height, config.width)
+    text_kv = model.prepare_text(torch.randn(1, 4, t.text_dim))
+    return config, model, x0, extra, plucker, text_kv
+
+
+def test_training_forwards_equal_the_paged_cache_forwards_across_the_sliding_window():
+    blocks = 5
+    config, model, x0, extra, plucker, text_kv = _model_and_inputs(blocks)
+    per_block, tokens = config.transformer.num_frames_per_block, config.tokens_per_frame
+    pool = KVPagePool(config, 16, torch.float32, "cpu")
+    table = SessionKV.empty()
+    record = RecordKV()
+    x_t = torch.randn_like(x0)
+    timestep = torch.full((1,), 500.0)
+    for block in range(blocks):
+        start = block * per_block
+        own = slice(start, start + per_block)
+        inputs = torch.cat([x_t[:, :, own], extra[:, :, own]], 1)
+        ctx = context_frames(start, config.transformer)
+        paged = model(inputs, timestep, text_kv, plucker[:, own], start, cache=table.view(pool, config, start))
+        trained = model(inputs, timestep, text_kv, plucker[:, own], start, cache=ReadKV(record, ctx, tokens))
+        torch.testing.assert_close(trained, paged, rtol=1e-5, atol=1e-5)
+        # commit the clean block both ways
+        clean = torch.cat([x0[:, :, own], extra[:, :, own]], 1)
+        pages = pool.allocator.allocate(per_block)
+        model(clean, torch.zeros(1), text_kv, plucker[:, own], start, cache=table.view(pool, config, start, pages))
+        table, dropped = table.after_commit(config, start, pages)
+        pool.allocator.free(dropped)
+        commit = _CommitKV(record, ctx, tokens)
+        model(clean, torch.zeros(1), text_kv, plucker[:, own], start, cache=commit)
+        record.append(commit)
+
+
+def test_teacher_forced_loss_trains_and_rollout_context_has_the_latent_shape():
+    config, model, x0, extra, plucker, text_kv = _model_and_inputs(3)
+    model.train().requires_grad_(True)
+    batch = {"latents": x0, "context": x0, "extra": extra, "plucker": plucker}
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(12):
+        generator = torch.Generator().manual_seed(0)  # the same noise and sigmas each step
+        kv = model.prepare_text(torch.ones(1, 4, config.transformer.text_dim))
+        loss = teacher_forced_loss(model, config, batch, kv, generator)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    model.eval()
+    kv = model.prepare_text(torch.ones(1, 4, config.transformer.text_dim))
+    context = rollout_context(model, config, batch, kv, torch.Generator().manual_seed(1))
+    assert context.shape == x0.shape and torch.isfinite(context).all()
