@@ -96,8 +96,14 @@ class VaeTrainConfig:
     # stay exactly as they were, while the decoder keeps improving (on whole frames, for example).
     init_from: str | None = None
     decoder_only: bool = False
+    # "sample": decode a sample of the posterior (the Wan recipe); "mean": decode its mean, as the world
+    # model's latents are (an autoencoder with the KL term as a regulariser; it converges much faster
+    # on a CPU budget because the decoder is not fed the posterior's noise early on).
+    posterior: str = "sample"
 
     def __post_init__(self) -> None:
+        if self.posterior not in ("sample", "mean"):
+            raise ValueError(f"posterior must be 'sample' or 'mean'; got {self.posterior!r}")
         if self.loss not in ("l1", "mse"):
             raise ValueError(f"loss must be 'l1' or 'mse'; got {self.loss!r}")
         for name in ("base_dim", "z_dim", "blocks", "batch", "supersample"):
@@ -159,6 +165,9 @@ def losses(vae: AutoencoderKLWan, video: torch.Tensor, tc: VaeTrainConfig,
     if tc.decoder_only:
         with torch.no_grad():
             posterior = vae.encode(video).latent_dist
+        recon = decode_unclamped(vae, posterior.mean)
+    elif tc.posterior == "mean":
+        posterior = vae.encode(video).latent_dist
         recon = decode_unclamped(vae, posterior.mean)
     else:
         posterior = vae.encode(video).latent_dist
@@ -400,7 +409,8 @@ def _config_from_args(args: argparse.Namespace) -> VaeTrainConfig:
                           batch=args.batch, lr=args.lr, weight_decay=args.weight_decay, kl_weight=args.kl_weight,
                           loss=args.loss, seed=args.seed, data_seed=args.data_seed, supersample=args.supersample,
                           clips_dir=args.clips_dir, stored_clips=args.stored_clips, crop_height=crop[0],
-                          crop_width=crop[1], init_from=args.init_from, decoder_only=args.decoder_only)
+                          crop_width=crop[1], init_from=args.init_from, decoder_only=args.decoder_only,
+                          posterior=args.posterior)
 
 
 def main() -> None:
@@ -425,6 +435,8 @@ def main() -> None:
     parser.add_argument("--crop", help="HxW crops of the stored clips (multiples of 16)")
     parser.add_argument("--init-from", help="start from this run folder's weights")
     parser.add_argument("--decoder-only", action="store_true", help="train the decoder only (encoder frozen)")
+    parser.add_argument("--posterior", choices=("sample", "mean"), default="sample",
+                        help="decode a posterior sample (Wan's recipe) or its mean")
     parser.add_argument("--run-dir", help="checkpoint and log folder (default under ~/.cache/lingbot/train/vae/)")
     parser.add_argument("--eval-every", type=int, default=500)
     parser.add_argument("--eval-clips", type=int, default=4)
