@@ -152,7 +152,8 @@ def create_engine(model: str | None = None, *, device: str | None = None, dtype:
     preset: tests only ("tiny", or $LINGBOT_TEST_PRESET): the embedded model at a test size. A test preset
     runs in fp32 under "auto": it checks the machinery, and fp32 is fast on every CPU (bf16 is emulated,
     ~20x slower, on CPUs without AMX or AVX512-BF16), so the tests take the same time everywhere.
-    compile: None compiles where it pays (CUDA; see load_pipeline), True/False force it.
+    compile: None compiles where it pays (CUDA; the embedded model on a CPU, built in the background while
+    the first blocks run eager; see load_pipeline), True/False force it.
     log: prints each start-up stage with its time.
     """
     source = model or os.environ.get("LINGBOT_MODEL") or "embedded"
@@ -548,8 +549,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="auto (default): bf16 on CUDA and on CPUs where it runs natively and a probe shows "
                              "it faster, else fp32")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the transformer blocks and the VAE decode step (default: on CUDA only; "
-                             "on a CPU a cold compile takes minutes)")
+                        help="torch.compile the transformer blocks and the VAE decode step (default: on CUDA, and "
+                             "on a CPU for the embedded model: the first blocks run eager while the graphs build "
+                             "in the background, seconds with a warm inductor cache, minutes cold; "
+                             "LINGBOT_WARM_COMPILE=1 bash setup.sh builds them ahead; --no-compile: eager)")
     parser.add_argument("--max-sessions", type=int,
                         help="cap on concurrent worlds on top of the memory budget (default: 2 on a CPU, where "
                              "compute runs out long before memory, else none)")

@@ -12,3 +12,13 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}"
 fi
 python3 -m pip install -q -r requirements.txt
+# torch.compile's graphs for the embedded model. Without them the app and the offline command serve eager
+# and build them in a background thread (minutes on a 2-core CPU, into ~/.cache/lingbot/inductor), then
+# switch to compiled between two blocks. Building them here makes later starts switch within seconds.
+# It takes several minutes on a 2-core AVX2 CPU (about 7 when that host was busy), so it is opt-in.
+if [ "${LINGBOT_WARM_COMPILE:-0}" = 1 ]; then
+  echo "setup: building torch.compile's graphs for the embedded model (python3 -m lingbot_core.warm_compile)"
+  python3 -m lingbot_core.warm_compile || echo "setup: the compile warm-up failed; the app will build the graphs in the background or run eager"
+else
+  echo "setup: skipping the torch.compile warm-up (minutes on a CPU; LINGBOT_WARM_COMPILE=1 bash setup.sh runs it)"
+fi

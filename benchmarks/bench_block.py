@@ -1,7 +1,7 @@
 """What a new user gets by default on this machine: precision, start-up, first frame, the per-block cost.
 
     python benchmarks/bench_block.py [--blocks 13] [--compare-blocks 3] [--precisions auto,fp32,bf16]
-                                     [--app] [--compile] [--threads N] [--model embedded]
+                                     [--app] [--compile] [--compile-background] [--threads N] [--model embedded]
 
 Prints, in one run:
 1. the CPU (PyTorch's capability and its native-bf16 flags), the allocator setting and the precision that
@@ -13,8 +13,12 @@ Prints, in one run:
    from examples/forest.png and then a second session from the same picture (the condition stream shared);
 4. with --app: `python app.py` started as a user starts it: seconds to its "ready at" line, to a page that
    answers, and from pressing Start (gradio_client /start) to the first video segment;
-5. with --compile: the default precision eager against torch.compile (transformer blocks and decoder step),
-   cold-compile seconds with the project's inductor cache, and median ms a block after warm-up.
+5. with --compile: the default precision eager against torch.compile (transformer blocks and decoder step):
+   median ms a block after warm-up, the seconds to build the graphs before block 0 (cold on a first run
+   with an empty inductor cache, warm on the next) and how many graphs dynamo compiled then and later
+   (later = recompiles the warm-up rollout missed; it should be 0);
+6. with --compile-background: the default (compile=None) block by block, eager or compiled.
+Sections 1-4 run eager (compile=False), so the precision figures do not include a background compile.
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ def compare_precisions(args) -> None:
     blocks = max(2, args.compare_blocks)
     print(f"\n2. default against each precision, blocks taken in turn: median of blocks 1-{blocks - 1} "
           "(block 0 warms up; the condition warm-up runs in all of them)")
-    pipes = {name: load_pipeline(args.model, dtype=name) for name in args.precisions}
+    pipes = {name: load_pipeline(args.model, dtype=name, compile=False) for name in args.precisions}
     frames_per_block = next(iter(pipes.values())).config.transformer.num_frames_per_block
     controls = [BlockControl(actions=(frozenset("w"),) * frames_per_block)] * blocks
     rollouts = {name: iter(pipe.rollout(IMAGE, PROMPT, 0, controls)) for name, pipe in pipes.items()}
@@ -166,20 +170,56 @@ def app_startup(args) -> None:
             process.wait()
 
 
+def _graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (each recompile adds one)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def compare_compile(args) -> None:
+    """Eager, then compiled (--compile: graphs built before block 0 on a warm-up rollout; the inductor cache
+    is cold on a first run, warm on a second, as printed), then the default (compile=None)."""
+    from lingbot_core.compile_cache import graphs_cached, graphs_key, keep_compiled_kernels
+
     print(f"\n5. {AUTO} eager against torch.compile (median of blocks {args.warmup}-"
-          f"{args.warmup + args.compile_blocks - 1}, after {args.warmup} warm-up blocks)")
+          f"{args.warmup + args.compile_blocks - 1}, after {args.warmup} warm-up blocks); "
+          f"inductor cache {keep_compiled_kernels()}")
+    medians = {}
     for compile in (False, True):
         started = time.perf_counter()
         pipe = load_pipeline(args.model, dtype=AUTO, compile=compile)
+        loaded = time.perf_counter() - started
+        built = _graphs()
         rows = run_blocks(pipe, args.warmup + args.compile_blocks)
-        first_blocks = sum(r["wall"] for r in rows[:2]) / 1000
         steady = rows[args.warmup:]
+        medians[compile] = statistics.median(r["wall"] for r in steady)
         split = ", ".join(f"{s} {statistics.median(r[s] for r in steady):.0f}" for s in STAGES)
-        print(f"  {'compiled' if compile else 'eager':8}: {statistics.median(r['wall'] for r in steady):7.0f} ms a "
-              f"block ({split}); first two blocks {first_blocks:.1f} s (compiles included), "
-              f"load + all blocks {time.perf_counter() - started:.0f} s")
+        name = "compiled" if compile else "eager"
+        print(f"  {name:8}: {medians[compile]:7.0f} ms a block ({split}); load {loaded:.1f} s"
+              + (f" of which graph build {pipe.compile_switch.build_s:.1f} s ({built} graphs, "
+                 f"{_graphs() - built} more during {len(rows)} blocks)" if compile else ""))
         del pipe
+    print(f"  compiled / eager = {medians[True] / medians[False]:.2f}")
+
+
+def default_background(args) -> None:
+    """The default (compile=None) on this process: with a cold cache the first blocks run eager while the
+    graphs build on a second thread; one line a block says which path ran it."""
+    started = time.perf_counter()
+    pipe = load_pipeline(args.model, dtype=AUTO)
+    print(f"\n6. the default: {pipe.compile_mode} (load {time.perf_counter() - started:.1f} s)")
+    switch = pipe.compile_switch
+    frames_per_block = pipe.config.transformer.num_frames_per_block
+    controls = [BlockControl(actions=(frozenset("w"),) * frames_per_block)] * args.background_blocks
+    began = time.perf_counter()
+    for output in pipe.rollout(IMAGE, PROMPT, 0, controls):
+        path = "compiled" if switch is not None and switch.compiled else "eager"
+        print(f"  block {output.block_index:2d} {path:8} {sum(output.stage_ms.values()):7.0f} ms, "
+              f"at {time.perf_counter() - began:6.1f} s")
+    if switch is not None:
+        print(f"  graph build {switch.build_s or float('nan'):.1f} s; first compiled block: "
+              f"{switch.switched_before_block}")
 
 
 def main() -> None:
@@ -193,6 +233,10 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also compare eager with torch.compile")
     parser.add_argument("--warmup", type=int, default=13, help="--compile: blocks before the median")
     parser.add_argument("--compile-blocks", type=int, default=6, help="--compile: blocks in the median")
+    parser.add_argument("--compile-background", action="store_true",
+                        help="the default's rollout, eager until a background build switches it (run it with "
+                             "a cold inductor cache, e.g. TORCHINDUCTOR_CACHE_DIR=/tmp/empty, to see the switch)")
+    parser.add_argument("--background-blocks", type=int, default=30, help="--compile-background: blocks")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
@@ -202,7 +246,7 @@ def main() -> None:
     print(f"1. torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability {cpu.capability}, "
           f"native bf16 flags: {', '.join(cpu.bf16_flags) or 'none'}; {keep_freed_memory()}")
     started = time.perf_counter()
-    pipe = load_pipeline(args.model, dtype=AUTO)
+    pipe = load_pipeline(args.model, dtype=AUTO, compile=False)
     print(f"   {args.model}: --dtype auto chose {pipe.precision.describe()} (load {time.perf_counter() - started:.1f} s)")
 
     if args.precisions:
@@ -221,6 +265,8 @@ def main() -> None:
         app_startup(args)
     if args.compile:
         compare_compile(args)
+    if args.compile_background:
+        default_background(args)
 
 
 if __name__ == "__main__":

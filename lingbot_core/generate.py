@@ -113,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
                              "it faster, else fp32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the transformer blocks and the VAE decode step (default: on CUDA only)")
+                        help="torch.compile the transformer blocks and the VAE decode step (default: on CUDA, and "
+                             "on a CPU for the embedded model: the first blocks run eager while the graphs build "
+                             "in the background, seconds with a warm inductor cache, minutes cold; "
+                             "LINGBOT_WARM_COMPILE=1 bash setup.sh builds them ahead; --no-compile: eager)")
     parser.add_argument("--latents-out", help="also save the clean latents [1, z, F, h, w] (torch.save)")
     args = parser.parse_args(argv)
 

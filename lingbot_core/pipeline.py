@@ -9,15 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Iterator
 
+import numpy as np
 import torch
 
-from .compile_cache import keep_compiled_kernels
+from .compile_cache import graphs_cached, graphs_key, keep_compiled_kernels, mark_graphs_cached
+from .compile_switch import BACKGROUND, COMPILED, EAGER, CompileSwitch, warm_blocks
 from .condition_cache import ConditionCache
 from .config import ModelConfig
 from .image import image_to_tensor, load_image
 from .kv_cache import KVPagePool
 from .loading import LoadedParts, load_pipeline_parts
 from .startup import StartupLog, maybe_stage
+from .model.attention import context_frames
 from .model.text import TextEncoder, normalize_prompt
 from .model.vae_stream import ConditionStream, FrameDecoder, compile_frame_decoder, decode_latent_frame
 from .precision import AUTO, DTYPES, Precision, choose_precision
@@ -34,6 +37,9 @@ class Pipeline:
     dtype: torch.dtype
     decode_frame: FrameDecoder = decode_latent_frame  # the VAE decoder step, compiled or eager
     precision: Precision | None = None  # how the dtype was chosen (None: parts built by the caller)
+    # Eager/compiled switch (lingbot_core/compile_switch.py); None: the path fixed at load time.
+    compile_switch: CompileSwitch | None = None
+    compile_mode: str = EAGER  # what load_pipeline chose (EAGER, COMPILED or BACKGROUND), for start-up lines
 
     @classmethod
     def from_parts(cls, parts: LoadedParts, decode_frame: FrameDecoder = decode_latent_frame,
@@ -71,9 +77,27 @@ class Pipeline:
 
     def step(self, pool: KVPagePool, state: RolloutState, control: BlockControl,
              on_stage=None) -> tuple[BlockOutput, RolloutState]:
+        if self.compile_switch is not None:  # between blocks: the only place the path may change
+            self.compile_switch.at_block_boundary(state.block_index)
         with torch.inference_mode():
             return step_block(self.config, self.transformer, self.vae, pool, state, control, on_stage,
                               self.decode_frame)
+
+    def warm_rollout(self) -> None:
+        """A short private rollout from a blank picture that meets every graph shape a real rollout does:
+        each attention-context length until the window is full, and the decoder cache filling up.
+        CompileSwitch.build runs it on the compiled path; it never runs the switch itself."""
+        t = self.config.transformer
+        blocks = warm_blocks(t.num_frames_per_block, lambda frame: len(context_frames(frame, t)))
+        pool = self.new_pool()
+        state = self.start(np.zeros((self.config.height, self.config.width, 3), np.uint8), "warm-up", 0)
+        try:
+            for _ in range(blocks):
+                with torch.inference_mode():
+                    _, state = step_block(self.config, self.transformer, self.vae, pool, state, BlockControl(),
+                                          decode_frame=self.decode_frame)
+        finally:
+            release(pool, state)
 
     def new_pool(self, num_pages: int | None = None) -> KVPagePool:
         """A private page pool, sized for one rollout unless told otherwise."""
@@ -102,8 +126,10 @@ def load_pipeline(source: str = "embedded", *, dtype: torch.dtype | str = AUTO, 
 
     dtype: "auto" (see lingbot_core/precision.py: bf16 on CUDA and on CPUs where a probe shows it faster,
     else fp32), "bf16", "fp32", or a torch dtype. The choice and its reason are on `pipeline.precision`.
-    compile=None compiles where it pays off: on CUDA. On a CPU the cold compile (minutes) outweighs the
-    gain for an interactive session; `benchmarks/bench_block.py` measures both.
+    compile: None compiles where it pays (see `compile_plan`), True forces it, False turns it off. On a CPU
+    the graphs build on a warm-up rollout (`Pipeline.warm_rollout`): with compile=True before this returns;
+    by default in a background thread while the first blocks run eager, switching to compiled between two
+    blocks (lingbot_core/compile_switch.py). The inductor cache makes that build seconds instead of minutes.
     log: prints each stage (load, precision, compile) with its time.
     """
     if isinstance(dtype, torch.dtype):
@@ -118,12 +144,61 @@ def load_pipeline(source: str = "embedded", *, dtype: torch.dtype | str = AUTO, 
                 dtype, device, lambda d: load_pipeline_parts(source, dtype=d, device=device,
                                                              allow_download=allow_download, **overrides))
             details.append(f"{parts.config.name}, {precision.describe()}")
-    if compile is None:
-        compile = torch.device(device).type == "cuda"
-    decode_frame = decode_latent_frame
-    if compile:  # torch.compile is lazy: the graphs build on the first blocks
-        keep_compiled_kernels().mkdir(parents=True, exist_ok=True)
+    device_type = torch.device(device).type
+    key = graphs_key(parts.config, next(parts.transformer.parameters()).dtype, device_type)
+    mode, reason = compile_plan(compile, device_type, parts.config.name, graphs_cached(key))
+    if mode == EAGER:
+        if log is not None:
+            log.note(f"compile: eager ({reason})")
+        return Pipeline.from_parts(parts, decode_latent_frame, precision)
+    keep_compiled_kernels().mkdir(parents=True, exist_ok=True)
+    if device_type == "cuda":  # torch.compile is lazy: the graphs build on the first blocks
         parts.transformer.compile_blocks()
-        decode_frame = compile_frame_decoder()
-    return Pipeline.from_parts(parts, decode_frame, precision)
+        pipe = Pipeline.from_parts(parts, compile_frame_decoder(), precision)
+        pipe.compile_mode = COMPILED
+        if log is not None:
+            log.note(f"compile: compiled ({reason}; the graphs build on the first blocks)")
+        return pipe
+    switch = CompileSwitch(parts.transformer.blocks)
+    pipe = Pipeline.from_parts(parts, switch.decode_frame, precision)
+    pipe.compile_switch, pipe.compile_mode = switch, mode
 
+    def build() -> None:
+        pipe.warm_rollout()
+        mark_graphs_cached(key)
+
+    if mode == COMPILED:
+        with maybe_stage(log, "compile") as details:
+            switch.build(build)
+            details.append(f"compiled ({reason})" if switch.error is None else
+                           f"failed, eager: {type(switch.error).__name__}: {switch.error}")
+        if switch.error is not None:
+            pipe.compile_mode = EAGER
+    else:
+        if log is not None:
+            log.note(f"compile: {BACKGROUND} ({reason})")
+        switch.build_in_background(build, report=None if log is None else lambda text: log.note(f"compile: {text}"))
+    return pipe
+
+
+# Models whose compiled block `benchmarks/bench_block.py --compile` measured faster than eager on a CPU,
+# on both kinds measured (README "Speed"). Others on a CPU (the test presets, a checkpoint folder, the
+# 14B model) were not measured, so they stay eager unless asked.
+CPU_COMPILE_PAYS = frozenset({"embedded"})
+
+
+def compile_plan(compile: bool | None, device_type: str, model_name: str, cached: bool) -> tuple[str, str]:
+    """(EAGER, COMPILED or BACKGROUND, the reason in words) for the flag, the device and the cache state."""
+    cache = "inductor cache warm" if cached else "inductor cache cold"
+    if compile is False:
+        return EAGER, "--no-compile"
+    if device_type == "cuda":
+        return COMPILED, "--compile" if compile else "default on CUDA"
+    if compile:
+        return COMPILED, f"--compile, {cache}"
+    if model_name not in CPU_COMPILE_PAYS:
+        return EAGER, f"compiling {model_name!r} on a CPU is not measured to pay; --compile forces it"
+    # Even a warm cache takes seconds to load and trace every graph; serving eager meanwhile keeps
+    # start-up to "ready" short. The first blocks are eager either way.
+    return BACKGROUND, (f"default for {model_name!r} on a CPU; {cache}: "
+                        + ("seconds to build" if cached else "minutes to build"))
