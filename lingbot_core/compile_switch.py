@@ -18,7 +18,7 @@ not see the tracing next to it.
 If the build fails (no C++ compiler, an unsupported op), the switch stays eager and says why.
 
 The VAE's convolutions call `torch.mkldnn_convolution` on a CPU (lingbot_core/model/cpu_kernels.py), an op
-PyTorch ships without a meta kernel, so dynamo cannot trace it. `allow_tracing_onednn_conv` registers one
+PyTorch ships without a meta kernel, so dynamo cannot trace it. `cpu_kernels.allow_tracing_onednn_conv` registers one
 (the output shape and strides of the same convolution): the compiled graph then calls the same oneDNN
 kernel as eager, where a fallback to `conv3d` inside the graph would get PyTorch's slow im2col kernel.
 """
@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .model.cpu_kernels import allow_tracing_onednn_conv
 from .model.vae_stream import FrameDecoder, decode_latent_frame
 
 # The three ways a pipeline runs, as the start-up line names them.
@@ -39,23 +40,6 @@ COMPILED = "compiled"
 BACKGROUND = "eager now, compiling in background"
 
 CompileFn = Callable[..., Callable[..., Any]]  # torch.compile's signature; tests inject a fake
-
-
-_META_KERNELS: list[torch.library.Library] = []  # kept alive: a Library's registrations end with it
-
-
-def allow_tracing_onednn_conv() -> None:
-    """Give aten::mkldnn_convolution a meta kernel (once per process, only if PyTorch has none)."""
-    if _META_KERNELS or torch._C._dispatch_has_kernel_for_dispatch_key("aten::mkldnn_convolution", "Meta"):
-        return
-
-    def meta(input, weight, bias, padding, stride, dilation, groups):
-        return torch.ops.aten.convolution.default(input, weight, bias, stride, padding, dilation, False,
-                                                  [0] * len(padding), groups)
-
-    library = torch.library.Library("aten", "IMPL")
-    library.impl("mkldnn_convolution", meta, "Meta")
-    _META_KERNELS.append(library)
 
 
 class CompileSwitch:

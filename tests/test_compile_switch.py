@@ -252,7 +252,7 @@ def test_the_onednn_convolution_has_a_meta_kernel_for_tracing():
     """The VAE's CPU convolution (cpu_kernels.py) must trace: its meta output matches the real one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lingbot_core.compile_switch import allow_tracing_onednn_conv
+    from lingbot_core.model.cpu_kernels import allow_tracing_onednn_conv
 
     allow_tracing_onednn_conv()
     x, w, b = torch.randn(1, 8, 3, 6, 10), torch.randn(4, 8, 3, 3, 3), torch.randn(4)

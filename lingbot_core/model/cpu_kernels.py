@@ -34,12 +34,31 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
 from torch import nn
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+# Read once: dynamo cannot trace the query inside a compiled forward.
+_ONEDNN = torch.backends.mkldnn.is_available()
+_META_KERNELS: list = []  # keeps the registration alive
+
+
+def allow_tracing_onednn_conv() -> None:
+    """Give aten::mkldnn_convolution a meta kernel (once per process, only if PyTorch has none), so a
+    compiled graph can trace the routed convolution and call the same oneDNN kernel as eager."""
+    if not _ONEDNN or _META_KERNELS or torch._C._dispatch_has_kernel_for_dispatch_key("aten::mkldnn_convolution",
+                                                                                        "Meta"):
+        return
+
+    def meta(input, weight, bias, padding, stride, dilation, groups):
+        return torch.ops.aten.convolution.default(input, weight, bias, stride, padding, dilation, False,
+                                                  [0] * len(padding), groups)
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("mkldnn_convolution", meta, "Meta")
+    _META_KERNELS.append(library)
 
 
 def _onednn_conv_forward(self: nn.Conv3d, input: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor | None) -> torch.Tensor:
-    if (input.device.type != "cpu" or input.dtype not in _ONEDNN_DTYPES or self.padding_mode != "zeros"
-            or isinstance(self.padding, str) or not torch.backends.mkldnn.is_available()):
+    if (not _ONEDNN or input.device.type != "cpu" or input.dtype not in _ONEDNN_DTYPES
+            or self.padding_mode != "zeros" or isinstance(self.padding, str)):
         return nn.Conv3d._conv_forward(self, input, weight, bias)
     return torch.mkldnn_convolution(input, weight, bias, list(self.padding), list(self.stride),
                                     list(self.dilation), self.groups)
@@ -47,6 +66,7 @@ def _onednn_conv_forward(self: nn.Conv3d, input: torch.Tensor, weight: torch.Ten
 
 def route_conv3d_to_onednn(module: nn.Module) -> int:
     """Point every Conv3d in `module` at oneDNN on the CPU; returns how many were routed."""
+    allow_tracing_onednn_conv()
     routed = 0
     for sub in module.modules():
         if isinstance(sub, nn.Conv3d):
