@@ -7,6 +7,9 @@ viewer's stream, pacing, actions and downloads live in lingbot_core/serving/stre
 endpoints, usable from gradio_client (see examples/client.py):
 
     /start(image, prompt, seed)          -> streamed (video segment, telemetry, session_id)
+    /play(image, prompt, seed, ground_truth) -> streamed (video segment, ground-truth segment, telemetry,
+                                         session_id): /start with the true world beside it (the page's Start)
+    /new_world()                         -> (start picture of a fresh held-out world, note); embedded model only
     /act(session_id, events)             -> status;  events: {"event_id": 1, "keys": ["w"]} or a list
     /stop(session_id)                    -> status
     /reset(session_id, image, prompt, seed) -> status
@@ -27,10 +30,13 @@ import asyncio
 import atexit
 import contextlib
 import os
+import random
+import shutil
 import signal
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +45,7 @@ import torch
 from PIL import Image
 from gradio.utils import get_upload_folder
 
-from lingbot_core.config import tiny_config
+from lingbot_core.config import EMBEDDED, tiny_config
 from lingbot_core.events import EventError, read_events, read_events_file
 from lingbot_core.example_folder import ExampleFolderError, example_from_files
 from lingbot_core.generate import controls_from_events, describe_plan, plan_trajectory, trajectory_controls, write_rollout
@@ -51,13 +57,18 @@ from lingbot_core.allocator import keep_freed_memory
 from lingbot_core.precision import AUTO, DTYPE_CHOICES
 from lingbot_core.startup import StartupLog
 from lingbot_core.serving.engine import Engine, EngineConfig
-from lingbot_core.serving.streaming import LiveService, StreamConfig, StreamError, check_seed
+from lingbot_core.serving.streaming import LiveService, Recording, StreamConfig, StreamError, check_seed
 from lingbot_core.workdir import WorkFolder
+from lingbot_core.world.examples import EXAMPLE_SEEDS, StartPictures, example_name
+from lingbot_core.world.ground_truth import GroundTruthRenderer, GroundTruthView, beside
+from lingbot_core.world.scene import HELD_OUT_SEEDS, seed_split
 
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE / "examples"
 TEST_PRESETS = {"tiny": tiny_config}
 OFFLINE_KEEP_S = 600.0  # an offline MP4 is removed from the work folder this long after it was made
+WORLD_PROMPT = "a procedural world"  # the embedded model's text conditioning is trivial; any prompt works
+PHOTO_EXAMPLES = (("forest.png", "a forest path in spring, sunlight"), ("village.png", "a quiet village street at dusk"))
 # Two groups of four (move, look), each drawn as an inverted T: the first key above the other three.
 KEYS = (("w", "forward"), ("a", "left"), ("s", "back"), ("d", "right"),
         ("i", "look up"), ("j", "turn left"), ("k", "look down"), ("l", "turn right"))
@@ -252,6 +263,7 @@ class DemoApp:
     demo: gr.Blocks
     service: LiveService
     workdir: WorkFolder | None = None  # removed on close when the app owns it
+    renderer: GroundTruthRenderer | None = None  # the world render process (embedded model only)
 
     def launch(self, **kwargs):
         """demo.launch with the page's key capture script and styles."""
@@ -264,6 +276,8 @@ class DemoApp:
         with contextlib.suppress(Exception):
             self.demo.close()  # with delete_cache set, Gradio also deletes every file it cached
         self.service.shutdown()
+        if self.renderer is not None:
+            self.renderer.close()
         if self.workdir is not None:
             self.workdir.remove()
 
@@ -334,6 +348,39 @@ def _viewer(request: gr.Request) -> str | None:
     return request.session_hash if request is not None else None
 
 
+def is_world_model(config) -> bool:
+    """The embedded model at any size (its test presets included): trained, or to be trained, on the
+    procedural world (lingbot_core/world/), so world pictures, New world and Ground truth apply to it."""
+    return config.name == EMBEDDED.name or config.weights_seed is not None
+
+
+def picture_note(seed: int | None, picture_given: bool) -> str:
+    """What the page says under the start picture for the embedded model."""
+    if seed is not None:
+        where = "held out from training" if seed_split(seed) == "held_out" else "a training world"
+        return (f"World **{seed}** ({where}): a render of the procedural world the embedded model learned. "
+                "Tick **Ground truth** to see the true world beside the stream.")
+    if not picture_given:
+        return ""
+    return ("⚠️ This picture is not a render of the procedural world. The embedded model learned only that "
+            "world, so the picture is **out of distribution** and the stream will not look like it. Pick an "
+            "example or press **New world**; for photographs run the real checkpoint with `--model`.")
+
+
+def world_examples() -> list[list[str]]:
+    """The held-out world pictures in examples/ (python -m lingbot_core.world.examples writes them)."""
+    paths = [EXAMPLES / example_name(seed) for seed in EXAMPLE_SEEDS]
+    return [[str(path), WORLD_PROMPT] for path in paths if path.is_file()]
+
+
+def sweep_old_files(folder: Path, pattern: str, older_than_s: float) -> None:
+    """Remove files of `folder` matching `pattern` last written more than `older_than_s` ago."""
+    for old in folder.glob(pattern):
+        with contextlib.suppress(OSError):
+            if time.time() - old.stat().st_mtime > older_than_s:
+                old.unlink()
+
+
 def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
                workdir: Path | WorkFolder | None = None, offline_max_blocks: int = 64,
                delete_cache: tuple[int, int] = (600, 3600)) -> DemoApp:
@@ -347,24 +394,82 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
     owned = workdir if isinstance(workdir, WorkFolder) else (WorkFolder.create() if workdir is None else None)
     workdir = owned.path if owned is not None else Path(workdir)
     service = LiveService(engine, workdir / "recordings", stream_config)
+    # The procedural world (embedded model only): start pictures and ground truth, rendered in one
+    # one-thread process so that they never take the model's threads (lingbot_core/world/ground_truth.py).
+    world_model = is_world_model(config)
+    renderer = GroundTruthRenderer() if world_model else None
+    pictures = StartPictures(config, renderer.render) if renderer is not None else None
+    draw = random.Random()  # New world's seeds (fresh per app; the global RNG stays the caller's)
+    # Streams showing ground truth, by session id: (their viewer, their view), so Reset can switch worlds.
+    truth_views: dict[str, tuple[str | None, GroundTruthView]] = {}
 
-    async def start(image, prompt, seed, request: gr.Request):
+    def recognise(image) -> int | None:
+        return pictures.recognise(image) if pictures is not None else None
+
+    async def play(image, prompt, seed, ground_truth, request: gr.Request):
+        """Start a world and stream it; with ground_truth, the true world beside it (world pictures only)."""
         viewer = _viewer(request)
         address = getattr(request.client, "host", None) if request is not None else None
+        view = None
+        if ground_truth and renderer is not None:  # recognising a world's picture starts the render process
+            view = GroundTruthView(renderer, config, await asyncio.to_thread(recognise, image))
         stream = service.stream(image, prompt, seed, viewer, address,
                                 unread=(lambda: unread_updates(demo, viewer)) if viewer else None)
+        truth = Recording(workdir / "ground-truth" / uuid.uuid4().hex) if view is not None else None
+        session_id, line = None, ""
         try:
             async with contextlib.aclosing(stream) as updates:
-                async for update in updates:
-                    yield (str(update.segment) if update.segment else gr.skip(), update.telemetry,
-                           update.session_id or "")
+                if view is None:
+                    async for update in updates:
+                        yield (str(update.segment) if update.segment else gr.skip(), gr.skip(), update.telemetry,
+                               update.session_id or "")
+                    return
+                async with contextlib.aclosing(beside(updates, view)) as merged:
+                    async for update, comparison in merged:
+                        if update is None:  # a block's ground truth is ready (or failed: then words only)
+                            segment = (await asyncio.to_thread(truth.add, comparison.truth, config.fps)
+                                       if comparison.error is None else None)
+                            yield (gr.skip(), str(segment) if segment else gr.skip(),
+                                   f"{line} · {comparison.describe()}", session_id or "")
+                            continue
+                        if update.session_id and session_id is None:
+                            session_id = update.session_id
+                            truth_views[session_id] = (viewer, view)
+                        note = view.submit(update.block) if update.block is not None else ""
+                        line = update.telemetry + (f" · {note}" if note else "")
+                        yield (str(update.segment) if update.segment else gr.skip(), gr.skip(), line,
+                               update.session_id or "")
         except StreamError as exc:
             raise _user_error(exc) from None
         finally:
+            if session_id is not None:
+                truth_views.pop(session_id, None)
+            if truth is not None:  # Gradio has read every segment yielded (each before the next is asked for)
+                shutil.rmtree(truth.root, ignore_errors=True)
             if viewer:  # Gradio ends this run's video stream after we return; free its segments later
                 with contextlib.suppress(RuntimeError):  # no running loop: the server is gone anyway
                     asyncio.get_running_loop().call_later(stream_config.keep_ended_stream_s,
                                                           release_ended_streams, demo, viewer)
+
+    async def start(image, prompt, seed, request: gr.Request):
+        """Start a world and stream it: (video segment, telemetry, session id) per block."""
+        async with contextlib.aclosing(play(image, prompt, seed, False, request)) as updates:
+            async for segment, _, telemetry, session_id in updates:
+                yield segment, telemetry, session_id
+
+    def new_world():
+        """A fresh held-out world's start picture (held out, so Ground truth compares on unseen worlds)."""
+        if pictures is None:
+            raise gr.Error("New world needs the embedded model: the real checkpoint was not trained on the "
+                           "procedural world", print_exception=False)
+        folder = workdir / "worlds"
+        folder.mkdir(parents=True, exist_ok=True)
+        sweep_old_files(folder, "world_*.png", OFFLINE_KEEP_S)  # Gradio copied each into its cache already
+        seed = draw.randrange(HELD_OUT_SEEDS.start, HELD_OUT_SEEDS.stop)
+        return str(pictures.write(seed, folder)), picture_note(seed, True)
+
+    def describe_picture(image):
+        return picture_note(recognise(image), image is not None) if world_model else ""
 
     def act_from_page(session_id, events, request: gr.Request):
         """The page's key events: problems become a toast, not an error state."""
@@ -406,6 +511,9 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
         return message, str(mp4), str(replay)
 
     def reset(session_id, image, prompt, seed, request: gr.Request):
+        owner, view = truth_views.get(session_id.strip(), (None, None)) if isinstance(session_id, str) else (None, None)
+        if view is not None and owner == _viewer(request):  # before the reset: its block 0 may follow at once
+            view.switch_world(recognise(image))
         try:
             return service.reset(session_id, image, prompt, seed, _viewer(request))
         except StreamError as exc:
@@ -435,25 +543,36 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
     def close_tab(request: gr.Request):
         service.close_viewer(request.session_hash)
 
+    examples = world_examples() if world_model else []
+    examples = examples or [[str(EXAMPLES / name), text] for name, text in PHOTO_EXAMPLES]
     with gr.Blocks(title="LingBot-World v2", delete_cache=delete_cache) as demo:
         gr.Markdown(_header(config, engine))
         with gr.Tab("Play"):
             with gr.Row():
                 with gr.Column(scale=2):
                     image = start_image(label="Start image", height=260)
-                    prompt = gr.Textbox(label="Prompt", value="a forest path in spring, sunlight", max_lines=3)
+                    picture_info = gr.Markdown(elem_id="lingbot-picture-note")
+                    if world_model:
+                        new_world_button = gr.Button("New world", size="sm", elem_id="lingbot-new-world")
+                    prompt = gr.Textbox(label="Prompt", value=examples[0][1], max_lines=3)
                     # No rounding (precision=None): check_seed refuses 1.5 instead of playing seed 2.
                     seed = gr.Number(label="Seed", value=0)
-                    gr.Examples([[str(EXAMPLES / "forest.png"), "a forest path in spring, sunlight"],
-                                 [str(EXAMPLES / "village.png"), "a quiet village street at dusk"]],
-                                inputs=[image, prompt])
+                    gr.Examples(examples, inputs=[image, prompt],
+                                label="Examples: held-out worlds" if world_model else "Examples")
+                    truth_box = gr.Checkbox(label="Ground truth", value=False, visible=world_model,
+                                            info="render the true world along the same camera path beside the "
+                                                 "stream, with PSNR (world pictures only)")
                     with gr.Row():
                         start_button = gr.Button("Start", variant="primary", min_width=80)
                         stop_button = gr.Button("Stop", variant="stop", min_width=80)
                         reset_button = gr.Button("Reset", min_width=80)
                 with gr.Column(scale=3):
-                    video = gr.Video(label="World", streaming=True, autoplay=True, interactive=False,
-                                     elem_id="lingbot-video", height=360)
+                    with gr.Row():
+                        video = gr.Video(label="World", streaming=True, autoplay=True, interactive=False,
+                                         elem_id="lingbot-video", height=360)
+                        truth_video = gr.Video(label="Ground truth", streaming=True, autoplay=True,
+                                               interactive=False, elem_id="lingbot-truth", height=360,
+                                               visible=False)
                     telemetry = gr.Markdown("press Start", elem_id="lingbot-telemetry")
                     with gr.Row(elem_id="lingbot-keys"):
                         for group in (KEYS[:4], KEYS[4:]):
@@ -480,11 +599,12 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
             send_button = gr.Button("send", visible="hidden", elem_id="lingbot-send")
             playhead_box = gr.Textbox(visible="hidden", elem_id="lingbot-playhead")
             clock_button = gr.Button("clock", visible="hidden", elem_id="lingbot-clock")
+            api_start_button = gr.Button("start-api", visible="hidden")  # /start: API clients only
         with gr.Tab("Offline generation"):
             with gr.Row():
                 with gr.Column():
-                    off_image = start_image(label="Start image", height=200, value=str(EXAMPLES / "forest.png"))
-                    off_prompt = gr.Textbox(label="Prompt", value="a forest path in spring, sunlight")
+                    off_image = start_image(label="Start image", height=200, value=examples[0][0])
+                    off_prompt = gr.Textbox(label="Prompt", value=examples[0][1])
                     off_seed = gr.Number(label="Seed", value=0)  # unrounded: check_seed refuses 1.5
                     script = gr.Code(label="Action script (JSONL: one event per block)", language=None,
                                      value=(EXAMPLES / "walk.jsonl").read_text())
@@ -501,14 +621,23 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
                     off_video = gr.Video(label="Result", interactive=False)
                     off_message = gr.Markdown()
 
-        start_event = start_button.click(start, [image, prompt, seed], [video, telemetry, session_box],
-                                         api_name="start", concurrency_limit=None, show_progress="hidden")
+        start_event = start_button.click(play, [image, prompt, seed, truth_box],
+                                         [video, truth_video, telemetry, session_box], api_name="play",
+                                         concurrency_limit=None, show_progress="hidden")
+        api_start_event = api_start_button.click(start, [image, prompt, seed], [video, telemetry, session_box],
+                                                 api_name="start", concurrency_limit=None, show_progress="hidden")
+        image.change(describe_picture, [image], [picture_info], api_visibility="private", show_progress="hidden")
+        truth_box.change(lambda on: gr.update(visible=bool(on)), [truth_box], [truth_video],
+                         api_visibility="private", show_progress="hidden")
+        if world_model:
+            new_world_button.click(new_world, None, [image, picture_info], api_name="new_world")
         send_button.click(act_from_page, [session_box, events_box], [events_box], js=TAKE_EVENTS_JS,
                           trigger_mode="multiple", concurrency_limit=1, concurrency_id="act",
                           api_visibility="private", show_progress="hidden")
         clock_button.click(playhead_from_page, [session_box, playhead_box], [playhead_box], js=READ_PLAYHEAD_JS,
                            trigger_mode="always_last", api_visibility="private", show_progress="hidden", queue=False)
-        stop_button.click(stop_from_page, [session_box], [telemetry, mp4_file, replay_file], cancels=[start_event],
+        stop_button.click(stop_from_page, [session_box], [telemetry, mp4_file, replay_file],
+                          cancels=[start_event, api_start_event],
                           api_visibility="private", show_progress="hidden")
         reset_button.click(reset, [session_box, image, prompt, seed], [telemetry], api_name="reset",
                            show_progress="hidden")
@@ -519,7 +648,7 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
         gr.api(act, api_name="act", concurrency_limit=1, concurrency_id="act")
         gr.api(stop, api_name="stop")
         demo.unload(close_tab)
-    return DemoApp(demo, service, owned)
+    return DemoApp(demo, service, owned, renderer)
 
 
 def _header(config, engine: Engine) -> str:
@@ -533,6 +662,11 @@ def _header(config, engine: Engine) -> str:
         text += ("\n\n> ⚠️ **These weights are random (untrained).** The embedded model shows the machinery — "
                  "streaming, controls, sessions — not a meaningful world. Run with `--model` pointing at the real "
                  "checkpoint for real pictures.")
+    elif is_world_model(config):
+        text += ("\n\n> The embedded model is a **small model trained on a procedural 3D world** (seeded skies, "
+                 "ground, trees, rocks, houses and pillars; `lingbot_core/world/`), never on real footage. Start "
+                 "from one of its worlds (an example or **New world**) and tick **Ground truth** to see the true "
+                 "world beside it. For real pictures run the real checkpoint with `--model`.")
     return text
 
 

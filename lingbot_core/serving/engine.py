@@ -127,6 +127,11 @@ class BlockMessage:
     stage_ms: dict[str, float]
     block_ms: float
     event_ids: tuple[int, ...] = ()  # the events this block applied
+    # The camera path the block was generated along (a few hundred bytes, not counted in nbytes): each latent
+    # frame's pose [F, 4, 4] and the pose before the block [4, 4] (its Plücker anchor). A consumer can
+    # render the true scene along it (lingbot_core/world/ground_truth.py).
+    poses: np.ndarray | None = None
+    start_pose: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
@@ -529,6 +534,8 @@ class Engine:
                     return None
                 session_id, live = picked
             started = time.perf_counter()
+            rollout = live.session.rollout  # read under the step lock: the pose this block starts from
+            start_pose = rollout.camera.pose.copy() if rollout is not None else None
             try:
                 output = live.session.step()
                 self.conditions.trim()  # the block may have grown a shared stream
@@ -555,7 +562,7 @@ class Engine:
             replay = live.session.replay
             event_ids = tuple(replay.blocks[-1]["event_ids"]) if replay.blocks else ()
             message = BlockMessage(output.block_index, frames_to_uint8(output.frames), output.latents.cpu(),
-                                   output.stage_ms, block_ms, event_ids)
+                                   output.stage_ms, block_ms, event_ids, np.asarray(output.poses), start_pose)
             with self._lock:
                 live.outbox.append(message)
                 self._changed.notify_all()

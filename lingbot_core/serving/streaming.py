@@ -90,6 +90,7 @@ class StreamUpdate:
     telemetry: str
     session_id: str | None
     finished: bool = False  # the stream ends after this update
+    block: BlockMessage | None = None  # the block this segment shows (its camera path: poses, start_pose)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -508,7 +509,7 @@ class LiveService:
                 await self._call(self._end, record, abandoned)
                 return
             clock.on_sent(frames / self.fps, self.clock())
-            yield StreamUpdate(segment, telemetry, session_id)
+            yield StreamUpdate(segment, telemetry, session_id, block=message)
             just_sent = True
 
     def _record_block(self, record: _Record, message: BlockMessage) -> tuple[Path, int]:
