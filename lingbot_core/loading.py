@@ -107,7 +107,9 @@ def load_pipeline_parts(source: str | Path, *, dtype: torch.dtype = torch.bfloat
     if isinstance(source, str) and source == EMBEDDED_SOURCE:
         config = _with_size(preset_hint if preset_hint is not None and preset_hint.weights_seed is not None
                             else EMBEDDED, height, width)
-        if (EMBEDDED_FOLDER / "model_index.json").is_file() and config.name == EMBEDDED.name:
+        # The shipped weights fit the embedded preset only (a hint of another size gets seeded weights).
+        shipped = preset_hint is None or dataclasses.replace(preset_hint, trained=EMBEDDED.trained) == EMBEDDED
+        if shipped and (EMBEDDED_FOLDER / "model_index.json").is_file():
             return load_folder(EMBEDDED_FOLDER, dtype=dtype, device=device, preset_hint=config, height=height,
                                width=width)
         return build_seeded_parts(dataclasses.replace(config, trained=False), config.weights_seed, dtype=dtype,

@@ -154,7 +154,11 @@ def test_the_warm_up_rollout_meets_every_context_length(config):
     assert warm >= 2 and lengths(warm) == lengths(200)
 
 
-def test_compile_plan_flags_win_and_the_default_compiles_where_measured():
+def test_compile_plan_flags_win_and_the_default_compiles_where_measured(monkeypatch):
+    import lingbot_core.pipeline as pipeline_module
+
+    assert compile_plan(None, "cpu", "embedded", False)[0] == EAGER  # nothing measured to pay at present
+    monkeypatch.setattr(pipeline_module, "CPU_COMPILE_PAYS", frozenset({"embedded"}))
     assert compile_plan(False, "cpu", "embedded", True)[0] == EAGER  # --no-compile wins
     assert compile_plan(False, "cuda", "embedded", True)[0] == EAGER
     assert compile_plan(True, "cpu", "tiny", False)[0] == COMPILED  # --compile forces it, cold or not
@@ -233,6 +237,9 @@ def _load_log(monkeypatch, **kwargs) -> tuple[Pipeline, str, list]:
 
 
 def test_the_default_on_a_cpu_serves_eager_and_builds_in_background(monkeypatch):
+    import lingbot_core.pipeline as pipeline_module
+
+    monkeypatch.setattr(pipeline_module, "CPU_COMPILE_PAYS", frozenset({"embedded"}))  # where measured to pay
     pipe, log, started = _load_log(monkeypatch)
     assert pipe.compile_mode == BACKGROUND and len(started) == 1
     assert pipe.decode_frame == pipe.compile_switch.decode_frame and not pipe.compile_switch.compiled

@@ -10,7 +10,7 @@ oneDNN on the same input (`python benchmarks/bench_vae_sizes.py --variants` prin
 of the embedded model's block time.
 
 `route_conv3d_to_onednn(vae)` makes each `Conv3d` of the module call `torch.mkldnn_convolution`
-directly for CPU float32 and bfloat16 inputs, the kernel the heuristic picks for larger inputs; the
+directly for CPU float32 inputs (bfloat16 too where oneDNN runs it), the kernel the heuristic picks for larger inputs; the
 result is the same convolution (equal to `conv3d` within float rounding). Weights, state dict and
 checkpoint layout are untouched; CUDA tensors and other dtypes keep the module's own forward. It
 supports autograd, so training uses it too.
@@ -33,9 +33,11 @@ import torch.nn.functional as F
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
 from torch import nn
 
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-# Read once: dynamo cannot trace the query inside a compiled forward.
+# Read once: dynamo cannot trace these queries inside a compiled forward. oneDNN's bf16 convolution
+# needs AVX512-BF16/AMX-class support (an AVX2-only CPU raises), so bf16 is routed only where it runs.
 _ONEDNN = torch.backends.mkldnn.is_available()
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() \
+    else (torch.float32,)
 _META_KERNELS: list = []  # keeps the registration alive
 
 
