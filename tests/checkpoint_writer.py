@@ -28,16 +28,7 @@ from safetensors.torch import save_file
 from lingbot_core.config import ModelConfig
 from lingbot_core.loading import TRANSFORMER_INDEX, TRANSFORMER_WEIGHTS, LoadedParts, build_seeded_parts
 
-MODEL_INDEX = {
-    "_class_name": "LingBotWorldCausalPipeline",
-    "_diffusers_version": diffusers.__version__,
-    "scheduler": ["diffusers", "UniPCMultistepScheduler"],
-    "text_encoder": ["transformers", "UMT5EncoderModel"],
-    "tokenizer": ["transformers", "T5TokenizerFast"],
-    "transformer": ["diffusers", "CausalLingBotWorldTransformer3DModel"],
-    "transformer_2": [None, None],
-    "vae": ["diffusers", "AutoencoderKLWan"],
-}
+from training.export import MODEL_INDEX  # noqa: E402  (the shipped embedded folder writes the same index)
 
 
 # Key sets of the published config files (values shrunk in a tiny checkpoint, keys kept).

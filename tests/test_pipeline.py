@@ -14,6 +14,8 @@ from itertools import islice
 import pytest
 import torch
 
+from training.world import RecordKV
+
 from conftest import WINDOW_CONFIG
 from lingbot_core.config import SamplerConfig
 from lingbot_core.kv_cache import KVPagePool
@@ -96,20 +98,8 @@ def window_run(tiny_pipeline, start_image) -> Run:
     return run
 
 
-class KVCapture:
-    """A cache for the one-shot forward: no context, and every layer's rotated K/V kept."""
-
-    writes = True
-
-    def __init__(self) -> None:
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-
-    def context(self, layer: int):
-        return None
-
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer], self.v[layer] = k, v
+# A cache for the one-shot forward: no context, and every layer's rotated K/V kept (training uses the same).
+KVCapture = RecordKV
 
 
 # ---- 1. paged KV through the real block step == one full masked forward --------------------------

@@ -25,12 +25,7 @@ W, H = 160, 96
 K = np.array([100.0, 100.0, W / 2, H / 2])  # fx, fy, cx, cy in pixels of a 160x96 frame
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one intra-op thread for the module
 
 
 def empty_world(sun_direction=None) -> World:
