@@ -293,8 +293,8 @@ EMBEDDED = ModelConfig(
     camera=CameraConfig(focal_at="reference"),
     height=96,
     width=160,
-    weights_seed=0,
-    trained=False,
+    weights_seed=0,  # the fallback weights when the trained folder is absent (loading.EMBEDDED_FOLDER)
+    trained=True,  # the shipped folder holds trained weights; the loader says False when it falls back
 )
 
 PRESETS: dict[str, ModelConfig] = {c.name: c for c in (EMBEDDED, LINGBOT_WORLD_V2_14B)}

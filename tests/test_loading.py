@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import shutil
 import socket
@@ -8,6 +9,7 @@ import torch
 from diffusers import AutoencoderKLWan
 from safetensors.torch import load_file, save_file
 
+from lingbot_core import loading
 from lingbot_core.config import EMBEDDED, tiny_config
 from lingbot_core.loading import (
     TRANSFORMER_INDEX,
@@ -332,10 +334,13 @@ def test_bad_dtype_or_device(checkpoint, kwargs, pattern):
         load_pipeline_parts(checkpoint[0], **kwargs)
 
 
-def test_embedded_source_is_seeded_and_dtype_independent():
+def test_embedded_source_without_its_folder_is_seeded_and_dtype_independent(monkeypatch, tmp_path):
+    # The trained folder ships with the repository (tests/test_embedded_model.py); without it the
+    # source falls back to the preset's seeded weights.
+    monkeypatch.setattr(loading, "EMBEDDED_FOLDER", tmp_path / "absent")
     a = load_pipeline_parts("embedded", dtype=torch.float32)
     b = build_seeded_parts(EMBEDDED, EMBEDDED.weights_seed, dtype=torch.bfloat16)
-    assert a.config == EMBEDDED and not a.config.trained
+    assert a.config == dataclasses.replace(EMBEDDED, trained=False) and not a.config.trained
     assert a.text_encoder.max_length == EMBEDDED.text.max_length
     assert a.text_encoder.d_model == a.config.transformer.text_dim
     _assert_same_state(a.transformer, b.transformer, cast=lambda t: t.bfloat16())

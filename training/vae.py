@@ -443,6 +443,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--workers", type=int, default=1, help="render processes (0: render in this process)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the training process")
+    parser.add_argument("--evaluate", action="store_true", help="print the run's held-out PSNR and stop")
     parser.add_argument("--export", metavar="DIR", help="write DIR/vae/ from the run's checkpoint and stop")
     parser.add_argument("--stats-clips", type=int, default=8, help="train clips for the exported latents stats")
     args = parser.parse_args()
@@ -451,6 +452,15 @@ def main() -> None:
     try:
         tc = _config_from_args(args)
         run_dir = Path(args.run_dir).expanduser() if args.run_dir else tc.default_run_dir()
+        if args.evaluate:
+            tc, state = load_checkpoint(run_dir)
+            vae = new_vae(tc)
+            vae.load_state_dict(state["model"])
+            scores = evaluate(vae, tc, held_out_clips(tc, args.eval_clips, 2))
+            print(f"step {state['step']}: held-out PSNR {scores['psnr']:.2f} dB (clips of 2 blocks, streamed decode), "
+                  f"{scores['psnr_image']:.2f} dB (start frame through the condition encoder), "
+                  f"{args.eval_clips} clips")
+            return
         if args.export:
             if not (run_dir / CHECKPOINT).exists():
                 parser.error(f"no checkpoint {run_dir / CHECKPOINT} to export")
