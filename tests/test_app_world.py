@@ -89,7 +89,7 @@ def test_a_picture_is_a_world_only_when_its_pixels_are(tmp_path):
 
 def test_header_follows_config_trained():
     engine = SimpleNamespace(capacity=2, pipeline=SimpleNamespace(precision=None))
-    random_weights = lingbot_app._header(EMBEDDED, engine)
+    random_weights = lingbot_app._header(dataclasses.replace(EMBEDDED, trained=False), engine)
     assert "random (untrained)" in random_weights and "procedural" not in random_weights
     trained = lingbot_app._header(dataclasses.replace(EMBEDDED, trained=True), engine)
     assert "random" not in trained
