@@ -299,10 +299,8 @@ class WorldData:
         self.latents, self.conditions = encoded["latents"], encoded["conditions"]
         self.plucker = torch.stack([block_pluckers(config, array_to_actions(a.numpy()), tc.blocks)
                                     for a in tqdm(encoded["actions"], desc="cameras", unit="clip")])
-        frames = tc.blocks * config.transformer.num_frames_per_block
-        mask = torch.cat([condition_mask(config, b, "cpu", torch.float32) for b in range(tc.blocks)], 2)
-        self.mask = mask
-        self.frames = frames
+        # The condition mask of each block, as step_block builds it: ones on latent frame 0 only.
+        self.mask = torch.cat([condition_mask(config, b, "cpu", torch.float32) for b in range(tc.blocks)], 2)
 
     def batch(self, tc: WorldTrainConfig, step: int) -> dict:
         index = [int(np.random.default_rng([tc.data_seed, 11, j]).integers(len(self.latents)))

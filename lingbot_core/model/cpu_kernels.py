@@ -29,7 +29,6 @@ from __future__ import annotations
 import types
 
 import torch
-import torch.nn.functional as F
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
 from torch import nn
 
