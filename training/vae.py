@@ -41,7 +41,6 @@ import copy
 import dataclasses
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +57,7 @@ from lingbot_core.model.vae_stream import (ConditionStream, DecoderStream, build
                                            decode_block, decode_latent_frame, encode_condition_block)
 from lingbot_core.world import HELD_OUT_SEEDS
 from training.data import ClipDataset, StoredClips, make_clip
+from training.runs import save_atomically, trim_log
 
 CHECKPOINT = "last.pt"
 LOG = "log.jsonl"
@@ -293,9 +293,7 @@ def save_checkpoint(run_dir: Path, tc: VaeTrainConfig, step: int, vae: Autoencod
     state = {"format": CHECKPOINT_FORMAT, "train_config": dataclasses.asdict(tc), "step": step,
              "next_clip": step * tc.batch, "model": vae.state_dict(), "optimizer": optimizer.state_dict(),
              "noise_rng": generator.get_state()}
-    partial = run_dir / (CHECKPOINT + ".tmp")
-    torch.save(state, partial)
-    os.replace(partial, run_dir / CHECKPOINT)  # an interrupted save leaves the previous checkpoint whole
+    save_atomically(state, run_dir / CHECKPOINT)
 
 
 def load_checkpoint(run_dir: Path, tc: VaeTrainConfig | None = None) -> tuple[VaeTrainConfig, dict]:
@@ -315,17 +313,6 @@ def load_checkpoint(run_dir: Path, tc: VaeTrainConfig | None = None) -> tuple[Va
     return saved, state
 
 
-def _rewrite_log(run_dir: Path, last_step: int) -> None:
-    """Drop log lines past the checkpoint (a run stopped after logging them, before saving)."""
-    path = run_dir / LOG
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-    partial = path.with_suffix(".tmp")
-    partial.write_text("".join(line + "\n" for line in kept))
-    os.replace(partial, path)
-
-
 def train(tc: VaeTrainConfig, run_dir: Path, steps: int, *, workers: int = 0, eval_every: int = 0,
           eval_clips: int = 4, eval_blocks: int = 2, checkpoint_every: int = 100,
           progress: bool = False) -> AutoencoderKLWan:
@@ -341,7 +328,7 @@ def train(tc: VaeTrainConfig, run_dir: Path, steps: int, *, workers: int = 0, ev
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["noise_rng"])
         step = state["step"]
-        _rewrite_log(run_dir, step)
+        trim_log(run_dir / LOG, step)
     elif tc.init_from:
         _, start = load_checkpoint(Path(tc.init_from).expanduser())
         vae.load_state_dict(start["model"])

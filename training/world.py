@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +56,7 @@ from lingbot_core.model.cpu_kernels import use_fast_cpu_kernels
 from lingbot_core.model.transformer import CausalLingBotWorldTransformer3DModel
 from lingbot_core.model.vae_stream import check_streamable, condition_mask
 from training.data import StoredClips, array_to_actions
+from training.runs import save_atomically, trim_log
 
 CHECKPOINT = "last.pt"
 LOG = "log.jsonl"
@@ -294,8 +294,7 @@ class WorldData:
             encoded = torch.load(path, weights_only=True)
         else:
             encoded = encode_clips(vae, config, StoredClips(tc.clips_dir, tc.stored_clips), tc.blocks)
-            torch.save(encoded, path.with_suffix(".tmp"))
-            os.replace(path.with_suffix(".tmp"), path)
+            save_atomically(encoded, path)
         self.latents, self.conditions = encoded["latents"], encoded["conditions"]
         self.plucker = torch.stack([block_pluckers(config, array_to_actions(a.numpy()), tc.blocks)
                                     for a in tqdm(encoded["actions"], desc="cameras", unit="clip")])
@@ -325,9 +324,7 @@ def new_model(config: ModelConfig, seed: int) -> CausalLingBotWorldTransformer3D
 def save_checkpoint(run_dir: Path, tc: WorldTrainConfig, step: int, model, optimizer, generator) -> None:
     state = {"format": CHECKPOINT_FORMAT, "train_config": dataclasses.asdict(tc), "step": step,
              "model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": generator.get_state()}
-    partial = run_dir / (CHECKPOINT + ".tmp")
-    torch.save(state, partial)
-    os.replace(partial, run_dir / CHECKPOINT)
+    save_atomically(state, run_dir / CHECKPOINT)
 
 
 def load_checkpoint(run_dir: Path, tc: WorldTrainConfig | None = None) -> tuple[WorldTrainConfig, dict]:
@@ -363,6 +360,7 @@ def train(tc: WorldTrainConfig, run_dir: Path, steps: int, checkpoint_every: int
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["rng"])
         step = state["step"]
+        trim_log(run_dir / LOG, step)
     bar = tqdm(total=steps, initial=step, unit="step", disable=not progress, dynamic_ncols=True)
     started = time.perf_counter()
     with open(run_dir / LOG, "a") as log:
