@@ -2,7 +2,7 @@
 
     python -m training.world --vae DIR/vae --clips-dir DIR --stored-clips N --steps S [--blocks 6] [--batch 2]
                              [--lr 3e-4] [--rollout-from STEP] [--rollout-share 0.5] [--seed 0] [--run-dir DIR]
-                             [--threads 2]
+                             [--lr-decay-from STEP] [--lr-final 0.1] [--threads 2]
     python -m training.world --run-dir DIR --export OUT   # OUT/transformer/: fp16 safetensors, diffusers layout
 
 It trains exactly the structure inference runs (lingbot_core/rollout.py `step_block`):
@@ -87,12 +87,24 @@ class WorldTrainConfig:
     data_seed: int = 0
     rollout_from: int = -1  # from this step on, a share of batches trains on self-generated context (-1: never)
     rollout_share: float = 0.5
+    lr_decay_from: int = -1  # from this step on the learning rate falls linearly to lr * lr_final (-1: constant)
+    lr_final: float = 0.1
 
     def __post_init__(self) -> None:
         if self.blocks < 1 or self.batch < 1 or self.stored_clips < 1:
             raise ValueError("blocks, batch and stored_clips must be at least 1")
         if not 0.0 <= self.rollout_share <= 1.0:
             raise ValueError("rollout_share must be within [0, 1]")
+        if not 0.0 < self.lr_final <= 1.0:
+            raise ValueError("lr_final must be within (0, 1]")
+
+    def learning_rate(self, step: int, steps: int) -> float:
+        """Constant, then a linear fall from lr_decay_from to lr * lr_final at the run's last step: a long
+        run at a high rate learns fast but its weights jitter; the short fall settles them."""
+        if self.lr_decay_from < 0 or step < self.lr_decay_from or steps <= self.lr_decay_from:
+            return self.lr
+        done = min(1.0, (step - self.lr_decay_from) / (steps - self.lr_decay_from))
+        return self.lr * (1.0 - (1.0 - self.lr_final) * done)
 
 
 def model_config(vae: AutoencoderKLWan) -> ModelConfig:
@@ -333,7 +345,8 @@ def load_checkpoint(run_dir: Path, tc: WorldTrainConfig | None = None) -> tuple[
     if state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path} is not a training.world checkpoint of format {CHECKPOINT_FORMAT}")
     saved = WorldTrainConfig(**state["train_config"])
-    ignore = {"rollout_from", "rollout_share"}  # may change on resume: the curriculum is decided as it runs
+    # May change on resume: the curriculum and the schedule's end are decided as the run goes.
+    ignore = {"rollout_from", "rollout_share", "lr_decay_from", "lr_final"}
     if tc is not None:
         diff = {k: (v, getattr(tc, k)) for k, v in dataclasses.asdict(saved).items()
                 if k not in ignore and getattr(tc, k) != v}
@@ -379,12 +392,15 @@ def train(tc: WorldTrainConfig, run_dir: Path, steps: int, checkpoint_every: int
             loss = teacher_forced_loss(model, config, batch, text_kv, generator)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss at step {step}; lower --lr (the checkpoint is kept)")
+            for group in optimizer.param_groups:
+                group["lr"] = tc.learning_rate(step, steps)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             step += 1
             record = {"step": step, "loss": round(loss.item(), 6), "rollout": use_rollout,
+                      "lr": optimizer.param_groups[0]["lr"],
                       "seconds": round(time.perf_counter() - started, 2)}
             log.write(json.dumps(record) + "\n")
             bar.set_postfix(loss=record["loss"])
@@ -426,6 +442,9 @@ def main() -> None:
     parser.add_argument("--data-seed", type=int, default=d.data_seed)
     parser.add_argument("--rollout-from", type=int, default=d.rollout_from)
     parser.add_argument("--rollout-share", type=float, default=d.rollout_share)
+    parser.add_argument("--lr-decay-from", type=int, default=d.lr_decay_from,
+                        help="step from which the rate falls linearly to lr * --lr-final at --steps")
+    parser.add_argument("--lr-final", type=float, default=d.lr_final)
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--threads", type=int, default=2)
@@ -442,7 +461,8 @@ def main() -> None:
         tc = WorldTrainConfig(vae=str(Path(args.vae).expanduser()), clips_dir=str(Path(args.clips_dir).expanduser()),
                               stored_clips=args.stored_clips, blocks=args.blocks, batch=args.batch, lr=args.lr,
                               weight_decay=args.weight_decay, seed=args.seed, data_seed=args.data_seed,
-                              rollout_from=args.rollout_from, rollout_share=args.rollout_share)
+                              rollout_from=args.rollout_from, rollout_share=args.rollout_share,
+                              lr_decay_from=args.lr_decay_from, lr_final=args.lr_final)
         print(f"run {run_dir}")
         train(tc, run_dir, args.steps, args.checkpoint_every)
     except (ValueError, FloatingPointError) as error:
