@@ -35,7 +35,8 @@ from .actions import event_to_message, script_payload, state_payload
 from .batching import AssembledChunk, ChunkAssembler
 from .protocol import (CLOSE_NORMAL, CLOSE_POLICY, GENERATE_LOOP_ERROR, GENERATE_PATH, MODELS_PATH, ChunkStats,
                        EventMessage, ErrorMessage, FrameBatch, InitRequest, ProtocolError, ServerMessageReader,
-                       encode_client_message, init_wire, parse_init)
+                       encode_client_message, event_wire, init_wire, parse_event,
+                       parse_init)
 
 
 class Outcome(enum.Enum):
@@ -136,8 +137,9 @@ class RealtimeClient:
         try:
             # No size limit and no pings, as the reference's clients connect: a raw 832x480 chunk is ~14 MB,
             # and a server busy in a forward pass may answer pings late. No compression: frames do not shrink.
+            # legacy=True: websockets' documented way to hold the connection past one `with` block.
             connection = connect(target, open_timeout=open_timeout, close_timeout=close_timeout, max_size=None,
-                                 ping_interval=None, compression=None, proxy=None)
+                                 ping_interval=None, compression=None, proxy=None, legacy=True)
         except InvalidURI as exc:
             raise ValueError(f"not a WebSocket address: {target!r} ({exc})") from None
         except (OSError, TimeoutError, InvalidHandshake) as exc:
@@ -170,7 +172,8 @@ class RealtimeClient:
         self._initialised = True
 
     def send(self, event: EventMessage) -> int | None:
-        """Send one event; its id must exceed the last one sent (None: the next id is assigned)."""
+        """Send one event; its id must exceed the last one sent (None: the next id is assigned). An event the
+        protocol would refuse raises ProtocolError here instead."""
         if not self._initialised:
             raise RuntimeError("send init before any event (the protocol's first message is init)")
         event_id = event.event_id
@@ -179,6 +182,7 @@ class RealtimeClient:
             event = EventMessage(event.kind, event.payload, event_id)
         elif self.last_event_id is not None and event_id <= self.last_event_id:
             raise ValueError(f"event_id {event_id} does not increase (last sent {self.last_event_id})")
+        parse_event(event_wire(event))  # the server's own checks, run before anything is sent
         self._send(encode_client_message(event))
         self.last_event_id = event_id
         return event_id
