@@ -5,7 +5,8 @@ plain msgpack maps, not with our codec, so client and server cannot share a bug.
 frames (a seeded generator per chunk), so the client's reassembled pixels are checked exactly; chunk 0
 has 9 frames, later chunks 20: one batch of 16 (147 KB: header-then-payload form) and one of 4 (37 KB:
 inline). Before each later chunk it waits for one valid event (lockstep), so which event a chunk carries
-is deterministic. Scenarios: serve, busy (error + close 1008), drop (TCP cut mid-chunk 1), stall.
+is deterministic. Scenarios: serve, busy (error + close 1008), full (close 1008 CAPACITY_EXHAUSTED), fail
+(the generate loop's error before chunk 1), drop (TCP cut mid-chunk 1), garbage (a wrong total_size), stall.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ class FakeRealtimeServer:
             self._send(ws, {"type": "error", "content": "another realtime session is already active"})
             ws.close(1008, "another realtime session is already active")
             return
+        if self.scenario == "full":  # the fork's admission: a refusal reason on the close, no error message
+            self._recv(ws)
+            ws.close(1008, "CAPACITY_EXHAUSTED")
+            return
         while True:  # an invalid init gets the error and the server waits for another
             init = self._recv(ws)
             if init.get("type") == "init" and isinstance(init.get("prompt"), str) and init["prompt"].strip():
@@ -95,6 +100,10 @@ class FakeRealtimeServer:
                     event_id = event.get("event_id")
                     break
                 self._send(ws, {"type": "error", "content": "invalid event"})
+            if self.scenario == "fail" and chunk == 1:
+                self._send(ws, {"type": "error", "content": "error during generate loop: CUDA out of memory"})
+                ws.close(1011, "internal error")
+                return
             frames = expected_frames(seed, chunk)
             per_batch = 16 if output_format == "raw" else 6
             parts = [frames[i:i + per_batch] for i in range(0, len(frames), per_batch)]
@@ -120,7 +129,7 @@ class FakeRealtimeServer:
                                "source_width": WIDTH, "source_height": HEIGHT, "preview_width": WIDTH,
                                "preview_height": HEIGHT, "width": WIDTH, "height": HEIGHT,
                                "payload_lengths": [len(image) for image in images]}
-                header["total_size"] = len(payload)
+                header["total_size"] = len(payload) + (1 if self.scenario == "garbage" else 0)
                 if len(payload) >= 64 * 1024:
                     header["type"] = "frame_batch_header"
                     self._send(ws, header)
@@ -219,6 +228,36 @@ def test_a_busy_server_is_a_refusal(fake_server):
     assert (ended.outcome, ended.code) == (Outcome.REFUSED, 1008)
     assert ended.last_error == "another realtime session is already active"
     assert "another realtime session is already active" in ended.message
+
+
+@pytest.mark.parametrize("fake_server", ["full"], indirect=True)
+def test_an_admission_refusal_names_its_reason(fake_server):
+    with RealtimeClient.connect(fake_server.url, receive_timeout=10) as client:
+        client.init(init())
+        ended = client.next_chunk()
+    assert (ended.outcome, ended.code, ended.reason, ended.last_error) == (Outcome.REFUSED, 1008,
+                                                                          "CAPACITY_EXHAUSTED", None)
+    assert "CAPACITY_EXHAUSTED" in ended.message
+
+
+@pytest.mark.parametrize("fake_server", ["fail"], indirect=True)
+def test_a_generate_loop_error_is_a_failed_session(fake_server):
+    with RealtimeClient.connect(fake_server.url, receive_timeout=10) as client:
+        client.init(init(max_chunks=3))
+        assert client.next_chunk().chunk_index == 0
+        client.send_keys({"w"})
+        ended = client.next_chunk()
+    assert (ended.outcome, ended.code) == (Outcome.FAILED, 1011)
+    assert ended.last_error == "error during generate loop: CUDA out of memory"
+    assert "after chunk 0" in ended.detail
+
+
+@pytest.mark.parametrize("fake_server", ["garbage"], indirect=True)
+def test_a_server_breaking_the_protocol_ends_the_session_clearly(fake_server):
+    with RealtimeClient.connect(fake_server.url, receive_timeout=10) as client:
+        client.init(init(max_chunks=1))
+        ended = client.next_chunk()
+    assert ended.outcome is Outcome.PROTOCOL_ERROR and "total_size" in ended.detail
 
 
 @pytest.mark.parametrize("fake_server", ["drop"], indirect=True)
