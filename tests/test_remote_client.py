@@ -6,7 +6,8 @@ frames (a seeded generator per chunk), so the client's reassembled pixels are ch
 has 9 frames, later chunks 20: one batch of 16 (147 KB: header-then-payload form) and one of 4 (37 KB:
 inline). Before each later chunk it waits for one valid event (lockstep), so which event a chunk carries
 is deterministic. Scenarios: serve, busy (error + close 1008), full (close 1008 CAPACITY_EXHAUSTED), fail
-(the generate loop's error before chunk 1), drop (TCP cut mid-chunk 1), garbage (a wrong total_size), stall.
+(the generate loop's error before chunk 1), drop (TCP cut mid-chunk 1), garbage (a wrong total_size), stall,
+sink (records events, sends nothing).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from websockets.sync.server import serve
 
 from lingbot_core.events import KeyStateEvent
 from lingbot_core.remote.client import (Outcome, RealtimeClient, ReceivedChunk, RemoteUnavailable, list_models)
-from lingbot_core.remote.protocol import ErrorMessage, InitRequest
+from lingbot_core.remote.protocol import ErrorMessage, EventMessage, InitRequest
 
 WIDTH, HEIGHT = 64, 48
 
@@ -40,6 +41,7 @@ class FakeRealtimeServer:
     def __init__(self, scenario: str = "serve"):
         self.scenario = scenario
         self.received: list[dict] = []  # every client message, decoded
+        self.done = threading.Event()  # set when a session's handler returns
         self.server = serve(self._handle, "127.0.0.1", 0, max_size=None, ping_interval=None, compression=None,
                             process_request=self._http)
         self.url = f"ws://127.0.0.1:{self.server.socket.getsockname()[1]}"
@@ -69,6 +71,8 @@ class FakeRealtimeServer:
             self._session(ws)
         except (ConnectionClosed, TimeoutError):
             pass
+        finally:
+            self.done.set()
 
     def _session(self, ws) -> None:
         if self.scenario == "busy":
@@ -88,6 +92,9 @@ class FakeRealtimeServer:
         if self.scenario == "stall":
             ws.recv()  # until the client goes away
             return
+        if self.scenario == "sink":  # record every event until the client goes away
+            while True:
+                self._recv(ws)
         seed, event_id = init.get("seed", 42), None
         output_format = init.get("realtime_output_format", "raw")
         session = "fake"
@@ -204,6 +211,23 @@ def test_event_ids_must_increase_and_init_comes_first(fake_server):
         client.send_keys({"w"}, event_id=7)
         with pytest.raises(ValueError, match="does not increase"):
             client.send_keys({"a"}, event_id=7)
+
+
+@pytest.mark.parametrize("fake_server", ["sink"], indirect=True)
+def test_senders_on_several_threads_get_increasing_ids_in_sending_order(fake_server):
+    client = RealtimeClient.connect(fake_server.url, receive_timeout=10)
+    client.init(init())
+    threads = [threading.Thread(target=lambda: [client.send_keys({"w"}) for _ in range(25)]) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    client.send(EventMessage("heartbeat", None))  # a keep-alive takes no id
+    client.close()
+    assert fake_server.done.wait(timeout=10)
+    events = fake_server.received[1:]
+    assert [e["event_id"] for e in events] == list(range(100)) + [None]
+    assert client.last_event_id == 99
 
 
 @pytest.mark.parametrize("fake_server", ["serve"], indirect=True)

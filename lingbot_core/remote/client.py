@@ -155,11 +155,11 @@ class RealtimeClient:
     # ------------------------------------------------------------ sending
 
     def _send(self, data: bytes) -> None:
+        """Callers hold _send_lock (one message at a time, and event ids assigned in sending order)."""
         if self.ended is not None or self._closing:
             raise RemoteClosed(self.ended)
         try:
-            with self._send_lock:
-                self._ws.send(data)
+            self._ws.send(data)
         except ConnectionClosed:
             raise RemoteClosed(self.ended) from None
 
@@ -168,24 +168,29 @@ class RealtimeClient:
         if self._initialised:
             raise RuntimeError("init was already sent on this connection")
         parse_init(init_wire(request))  # the server's own checks, run before anything is sent
-        self._send(encode_client_message(request))
-        self._initialised = True
+        with self._send_lock:
+            self._send(encode_client_message(request))
+            self._initialised = True
 
     def send(self, event: EventMessage) -> int | None:
         """Send one event; its id must exceed the last one sent (None: the next id is assigned). An event the
         protocol would refuse raises ProtocolError here instead."""
-        if not self._initialised:
-            raise RuntimeError("send init before any event (the protocol's first message is init)")
-        event_id = event.event_id
-        if event_id is None:
-            event_id = 0 if self.last_event_id is None else self.last_event_id + 1
-            event = EventMessage(event.kind, event.payload, event_id)
-        elif self.last_event_id is not None and event_id <= self.last_event_id:
-            raise ValueError(f"event_id {event_id} does not increase (last sent {self.last_event_id})")
         parse_event(event_wire(event))  # the server's own checks, run before anything is sent
-        self._send(encode_client_message(event))
-        self.last_event_id = event_id
-        return event_id
+        with self._send_lock:
+            if not self._initialised:
+                raise RuntimeError("send init before any event (the protocol's first message is init)")
+            event_id = event.event_id
+            if event.kind == "heartbeat" and event_id is None:
+                pass  # a keep-alive is no input: it takes no id
+            elif event_id is None:
+                event_id = 0 if self.last_event_id is None else self.last_event_id + 1
+                event = EventMessage(event.kind, event.payload, event_id)
+            elif self.last_event_id is not None and event_id <= self.last_event_id:
+                raise ValueError(f"event_id {event_id} does not increase (last sent {self.last_event_id})")
+            self._send(encode_client_message(event))
+            if event_id is not None:
+                self.last_event_id = event_id
+            return event_id
 
     def send_keys(self, keys, event_id: int | None = None) -> int | None:
         """The held keys now (level-triggered: they stay held until the next call)."""
