@@ -142,8 +142,10 @@ class InitRequest:
 
     @property
     def width_height(self) -> tuple[int, int]:
-        width, height = _SIZE.match(self.size).groups()
-        return int(width), int(height)
+        match = _SIZE.match(self.size)
+        if match is None:
+            raise ValueError(f"size must be 'WxH' in pixels, e.g. '832x480'; got {quote(self.size)}")
+        return int(match.group(1)), int(match.group(2))
 
 
 ClientMessage = Union[InitRequest, EventMessage]
