@@ -18,9 +18,9 @@ not see the tracing next to it.
 If the build fails (no C++ compiler, an unsupported op), the switch stays eager and says why.
 
 The VAE's convolutions call `torch.mkldnn_convolution` on a CPU (lingbot_core/model/cpu_kernels.py), an op
-PyTorch ships without a meta kernel, so dynamo cannot trace it. `cpu_kernels.allow_tracing_onednn_conv` registers one
-(the output shape and strides of the same convolution): the compiled graph then calls the same oneDNN
-kernel as eager, where a fallback to `conv3d` inside the graph would get PyTorch's slow im2col kernel.
+PyTorch ships without a meta kernel; under compile they go through the custom op `lingbot::onednn_conv`
+(a fake kernel, fixed contiguous layout), so the compiled graph calls the same oneDNN kernel as eager,
+where a fallback to `conv3d` inside the graph would get PyTorch's slow im2col kernel.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .model.cpu_kernels import allow_tracing_onednn_conv
 from .model.vae_stream import FrameDecoder, decode_latent_frame
 
 # The three ways a pipeline runs, as the start-up line names them.
@@ -48,7 +47,6 @@ class CompileSwitch:
     def __init__(self, blocks: Sequence[torch.nn.Module], compile_fn: CompileFn = torch.compile,
                  **compile_options: Any) -> None:
         compile_options.setdefault("dynamic", False)  # static shapes: one graph per context length
-        allow_tracing_onednn_conv()
         self._eager_blocks = [block._call_impl for block in blocks]
         self._compiled_blocks = [compile_fn(block._call_impl, **compile_options) for block in blocks]
         self._compiled_decode = compile_fn(decode_latent_frame, **compile_options)

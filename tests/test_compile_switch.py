@@ -255,16 +255,21 @@ def test_no_compile_wins_and_a_test_preset_stays_eager(monkeypatch):
     assert "compile: eager (compiling 'tiny' on a CPU is not measured to pay" in log
 
 
-def test_the_onednn_convolution_has_a_meta_kernel_for_tracing():
-    """The VAE's CPU convolution (cpu_kernels.py) must trace: its meta output matches the real one."""
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last_3d])
+def test_the_onednn_convolution_traces_with_the_layout_it_runs_with(layout):
+    """The VAE's CPU convolution (cpu_kernels.py) must trace: under compile it is the custom op
+    lingbot::onednn_conv, whose fake output has the real output's shape and strides whatever the
+    input's layout (oneDNN answers a channels-last input with channels-last output; the op does not)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lingbot_core.model.cpu_kernels import allow_tracing_onednn_conv
+    from lingbot_core.model.cpu_kernels import _onednn_conv
 
-    allow_tracing_onednn_conv()
-    x, w, b = torch.randn(1, 8, 3, 6, 10), torch.randn(4, 8, 3, 3, 3), torch.randn(4)
-    real = torch.mkldnn_convolution(x, w, b, [0, 1, 1], [1, 1, 1], [1, 1, 1], 1)
+    x, w, b = torch.randn(1, 8, 3, 6, 10).contiguous(memory_format=layout), torch.randn(4, 8, 3, 3, 3), torch.randn(4)
+    real = _onednn_conv(x, w, b, [0, 1, 1], [1, 1, 1], [1, 1, 1], 1)
+    assert torch.equal(real, torch.mkldnn_convolution(x.contiguous(), w, b, [0, 1, 1], [1, 1, 1], [1, 1, 1], 1))
+    torch.testing.assert_close(real, torch.mkldnn_convolution(x, w, b, [0, 1, 1], [1, 1, 1], [1, 1, 1], 1))
     with FakeTensorMode() as mode:
-        fake = torch.mkldnn_convolution(mode.from_tensor(x), mode.from_tensor(w), mode.from_tensor(b),
-                                        [0, 1, 1], [1, 1, 1], [1, 1, 1], 1)
+        fake = _onednn_conv(mode.from_tensor(x), mode.from_tensor(w), mode.from_tensor(b),
+                            [0, 1, 1], [1, 1, 1], [1, 1, 1], 1)
     assert fake.shape == real.shape and fake.stride() == real.stride()
+    torch.library.opcheck(_onednn_conv, (x, w, b, [0, 1, 1], [1, 1, 1], [1, 1, 1], 1))

@@ -37,23 +37,24 @@ from torch import nn
 _ONEDNN = torch.backends.mkldnn.is_available()
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() \
     else (torch.float32,)
-_META_KERNELS: list = []  # keeps the registration alive
 
 
-def allow_tracing_onednn_conv() -> None:
-    """Give aten::mkldnn_convolution a meta kernel (once per process, only if PyTorch has none), so a
-    compiled graph can trace the routed convolution and call the same oneDNN kernel as eager."""
-    if not _ONEDNN or _META_KERNELS or torch._C._dispatch_has_kernel_for_dispatch_key("aten::mkldnn_convolution",
-                                                                                        "Meta"):
-        return
+@torch.library.custom_op("lingbot::onednn_conv", mutates_args=())
+def _onednn_conv(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, padding: list[int],
+                 stride: list[int], dilation: list[int], groups: int) -> torch.Tensor:
+    """`torch.mkldnn_convolution` as an op a compiled graph can hold. Contiguous operands give a
+    contiguous result: oneDNN returns channels-last output for a channels-last operand, and inductor
+    may lay an intermediate out channels-last, so a graph that called the aten op directly could meet
+    a layout its trace did not predict. A custom op also keeps the strides it was traced with."""
+    return torch.mkldnn_convolution(input.contiguous(), weight.contiguous(), bias, padding, stride, dilation,
+                                    groups)
 
-    def meta(input, weight, bias, padding, stride, dilation, groups):
-        return torch.ops.aten.convolution.default(input, weight, bias, stride, padding, dilation, False,
-                                                  [0] * len(padding), groups)
 
-    library = torch.library.Library("aten", "IMPL")
-    library.impl("mkldnn_convolution", meta, "Meta")
-    _META_KERNELS.append(library)
+@_onednn_conv.register_fake
+def _(input, weight, bias, padding, stride, dilation, groups):
+    out = torch.ops.aten.convolution.default(input, weight, bias, stride, padding, dilation, False,
+                                             [0] * len(padding), groups)
+    return out.contiguous()
 
 
 def _onednn_conv_forward(self: nn.Conv3d, input: torch.Tensor, weight: torch.Tensor,
@@ -61,13 +62,16 @@ def _onednn_conv_forward(self: nn.Conv3d, input: torch.Tensor, weight: torch.Ten
     if (not _ONEDNN or input.device.type != "cpu" or input.dtype not in _ONEDNN_DTYPES
             or self.padding_mode != "zeros" or isinstance(self.padding, str)):
         return nn.Conv3d._conv_forward(self, input, weight, bias)
+    if torch.compiler.is_compiling():  # inference graphs only: the op has no autograd formula
+        return _onednn_conv(input, weight, bias, list(self.padding), list(self.stride), list(self.dilation),
+                            self.groups)
+    # Eager (and training) call the aten op, which has autograd and no custom-op dispatch cost.
     return torch.mkldnn_convolution(input, weight, bias, list(self.padding), list(self.stride),
                                     list(self.dilation), self.groups)
 
 
 def route_conv3d_to_onednn(module: nn.Module) -> int:
     """Point every Conv3d in `module` at oneDNN on the CPU; returns how many were routed."""
-    allow_tracing_onednn_conv()
     routed = 0
     for sub in module.modules():
         if isinstance(sub, nn.Conv3d):
