@@ -128,8 +128,14 @@ class BlockKV:
 
     @property
     def nbytes(self) -> int:
-        """The gathered window: context_slots pages' worth, held only while the block's forwards run."""
         return self.k.nbytes + self.v.nbytes + self.context_valid.nbytes
+
+    @staticmethod
+    def window_nbytes(config: ModelConfig, dtype: torch.dtype) -> int:
+        """Bytes of one gathered window (context_slots pages' worth, plus its mask): working memory of the
+        running block's transformer stages, freed before it decodes; one per thread that runs blocks."""
+        mask = context_slots(config) * config.tokens_per_frame * torch.empty((), dtype=torch.bool).element_size()
+        return context_slots(config) * KVPagePool.page_nbytes(config, dtype) + mask
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         assert self._write_ids is not None, "this view does not write"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import WINDOW_CONFIG
-from lingbot_core.kv_cache import KVPagePool, SessionKV, context_slots
+from lingbot_core.kv_cache import BlockKV, KVPagePool, SessionKV, context_slots
 from lingbot_core.model.attention import block_causal_mask, context_frames
 from lingbot_core.rollout import BlockControl, release
 from training.world import ReadKV, RecordKV, _CommitKV
@@ -57,6 +57,7 @@ def test_a_block_view_is_one_fixed_window_with_its_frames_first_and_the_rest_mas
                 assert torch.equal(v[slot], pool.v[layer, table.frame_pages[frame]])
             assert not k[len(frames):].any() and not v[len(frames):].any()  # padding is zeros
         assert not view.writes
+        assert view.nbytes == BlockKV.window_nbytes(WINDOW_CONFIG, torch.float64)  # what a memory plan reserves
         pages = pool.allocator.allocate(BLOCK)
         writer = view.writing(pages)
         assert writer.writes and writer.k is view.k  # the commit reads the buffer the denoise steps read
