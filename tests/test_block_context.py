@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -159,5 +160,45 @@ def test_a_compiled_forward_sees_one_graph_across_a_rollout_that_fills_and_slide
                      block * BLOCK, cache=commit)
             record.append(commit)
         assert len(graphs) == 1 + len(lengths)
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(os.environ.get("LINGBOT_TEST_COMPILE") != "1",
+                    reason="a real inductor compile; set LINGBOT_TEST_COMPILE=1")
+@torch.no_grad()
+def test_inductor_builds_one_graph_for_the_masked_window_and_matches_eager(tiny_pipeline):
+    """The real compiler on the fixed window: paged denoise and commit forwards from the empty to the sliding
+    window, fp32, one graph, the compiled outputs equal eager's to float32 rounding."""
+    from torch._dynamo.utils import counters
+
+    eager = copy.deepcopy(tiny_pipeline.transformer).float()
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    graphs_before = counters["stats"]["unique_graphs"]
+    compiled.compile_blocks()
+    latents, plucker, text = (t.float() for t in _inputs(NUM_BLOCKS))
+    text_kv = eager.prepare_text(text)
+    pools = {name: KVPagePool(WINDOW_CONFIG, CFG.sliding_window_num_frames, torch.float32, "cpu")
+             for name in ("eager", "compiled")}
+    tables = {name: SessionKV.empty() for name in pools}
+    try:
+        for block in range(NUM_BLOCKS):
+            start, own = block * BLOCK, slice(block * BLOCK, (block + 1) * BLOCK)
+            outs = {}
+            for name, model in (("eager", eager), ("compiled", compiled)):
+                pool, view = pools[name], tables[name].view(pools[name], WINDOW_CONFIG, start)
+                noisy = model(latents[:, :, own], torch.full((1,), NOISY_T), text_kv, plucker[:, own], start,
+                              cache=view)
+                pages = pool.allocator.allocate(BLOCK)
+                clean = model(latents[:, :, own], torch.zeros(1), text_kv, plucker[:, own], start,
+                              cache=view.writing(pages))
+                tables[name], dropped = tables[name].after_commit(WINDOW_CONFIG, start, pages)
+                pool.allocator.free(dropped)
+                outs[name] = (noisy, clean)
+            for got, want in zip(outs["compiled"], outs["eager"]):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert counters["stats"]["unique_graphs"] - graphs_before == 1
     finally:
         torch._dynamo.reset()
