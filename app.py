@@ -234,7 +234,7 @@ def generate_offline(engine: Engine, image, prompt, seed, script_text, script_fi
             controls = trajectory_controls(plan)
             note = f"; {describe_plan(plan)}"
             start_camera = camera.CameraState(poses[0])
-    except (EventError, ExampleFolderError, ValueError) as exc:  # ImageError, PromptError, RequestError, TrajectoryError
+    except (EventError, ExampleFolderError, ValueError) as exc:  # also ImageError, PromptError, RequestError, ...
         raise StreamError(str(exc)) from None
     if not controls:
         raise StreamError("the action script holds no events")

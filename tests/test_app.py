@@ -32,7 +32,9 @@ from lingbot_core.rollout import BlockControl  # noqa: E402
 from lingbot_core.serving.engine import EngineConfig  # noqa: E402
 from lingbot_core.events import EventError, KeyStateEvent, parse_actions  # noqa: E402
 from lingbot_core.requests import RequestError, parse_seed  # noqa: E402
-from lingbot_core.serving.streaming import LiveService, PlaybackClock, StreamConfig, StreamError  # noqa: E402
+from lingbot_core.serving.engine import Block  # noqa: E402
+from lingbot_core.serving.streaming import (LiveService, PlaybackClock, StreamConfig, StreamError,  # noqa: E402
+                                            telemetry_line)
 from lingbot_core.video import count_frames, frames_to_uint8, mp4_segment  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:::gradio.queueing")  # pandas deprecations in Gradio's analytics
@@ -377,6 +379,15 @@ def test_playback_clock_keeps_the_viewer_fed_but_not_far_ahead():
     assert clock.wait_before_next(105.0, 0.1) == pytest.approx(2.0625 - 0.1 - 1.8)
     clock.observe(99.0, now=105.0)  # a report past what was sent cannot be right: capped
     assert clock.playhead(105.0) == pytest.approx(2.0625) and clock.wait_before_next(105.0, 0.3) == 0.0
+
+
+def test_the_telemetry_line_shows_the_key_to_frame_latency_of_a_block_that_applied_keys():
+    block = Block(4, np.zeros((12, 2, 2, 3), np.uint8), None, {}, 500.0, {"frames": [], "event_ids": [7]})
+    stats = {"active_sessions": 1, "capacity": 2}
+    line = telemetry_line(block, 12, 16, None, stats, key_ms=1234.4)
+    assert line == ("block 4 · 500 ms/block · 24.0 FPS generated (playback 16) · key → frame ≈ 1234 ms · "
+                    "1/2 sessions active")
+    assert "key" not in telemetry_line(block, 12, 16, None, stats)
 
 
 def test_playhead_reports_are_checked(server, tmp_path):

@@ -324,6 +324,27 @@ def test_lead_lets_a_session_run_ahead_by_that_many_blocks(pipe, image, clock):
     engine.shutdown()
 
 
+def test_a_paced_session_starts_each_block_just_in_time_with_the_input_until_then(pipe, image, clock):
+    engine = _engine(pipe, clock, max_sessions=1)
+    session_id = _admit(engine, image)
+    assert engine.run_once() == session_id  # not paced yet: as soon as the outbox has room
+    assert _take(engine, session_id).block_index == 0
+    engine.pace(session_id, 2.0)
+    assert engine.run_once() is None  # not before its start time
+    clock.now += 1.0
+    engine.post_event(session_id, {"event_id": 1, "keys": ["w"]})  # pressed while the block had not started
+    assert engine.run_once() is None
+    clock.now += 1.0
+    assert engine.run_once() == session_id
+    block = _take(engine, session_id)
+    assert (block.block_index, block.event_ids) == (1, (1,))
+    clock.now += 100.0
+    assert engine.run_once() is None  # a taken block holds the next one until its consumer paces again
+    engine.pace(session_id, -0.5)  # late already: at once
+    assert engine.run_once() == session_id
+    engine.shutdown()
+
+
 def test_input_applies_at_the_next_block_boundary(pipe, image, clock):
     engine = _engine(pipe, clock, max_sessions=1)
     session_id = _admit(engine, image)

@@ -1,6 +1,6 @@
 """The serving engine: one model, many sessions, bounded memory, one worker.
 
-- Admission by bytes: a probe (`measure_footprint`: no model block, the VAE streamed on a small frame and
+- Admission by bytes: one probe (serving/memory.py: no model block, the VAE streamed on a small frame and
   scaled) measures a session's peak committed bytes (its KV window, text
   K/V, condition encoder and decoder state, finished blocks waiting for the consumer) and the bytes one
   running block adds (its pages, the pending encoder/decoder/text state, scratch). A newcomer is
@@ -15,7 +15,8 @@
   messages of the session's outbox (NewWorld, Block, Failed, Closed), in order, and keeps nothing else.
 - Scheduling: one worker advances sessions one block at a time, round-robin at block boundaries. A
   session runs at most `max_lead_blocks` blocks ahead of its consumer, so an idle viewer costs no
-  compute. Input is applied at the next block boundary.
+  compute; a consumer that paces its session (`pace`) has each block started just in time instead.
+  Input is applied at the next block boundary, so to the earliest block not started.
 - Eviction: the one idle policy (no input for idle_ttl_s, on the injected clock; the app's --idle-ttl),
   explicit close (also on consumer disconnect), reset, and LRU eviction of sessions nobody drove or
   watched for evictable_after_s when a newcomer needs the room.
@@ -187,6 +188,10 @@ class _Live:
         self.session = session
         self.outbox: deque[Message] = deque([NewWorld(session.replay)])
         self.waiting_for_input = False  # after a failure: do not retry until something changes
+        # Just in time (`pace`): once its consumer paces it, a session's next block starts no earlier than
+        # this (engine clock), and a taken block holds the next one back until the consumer says when.
+        self.paced = False
+        self.start_at = 0.0
 
     @property
     def blocks_waiting(self) -> int:
@@ -410,6 +415,8 @@ class Engine:
                 if live.outbox:
                     message = live.outbox.popleft()
                     live.session.last_consumed = self.clock()
+                    if live.paced and isinstance(message, Block):
+                        live.start_at = float("inf")  # the next block waits for its consumer's `pace`
                     self._changed.notify_all()  # room in the outbox: the worker may run this session
                     return message
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -418,6 +425,17 @@ class Engine:
                 self._changed.wait(remaining)
                 if session_id not in self._sessions and not live.outbox:  # closed while waiting, Closed taken
                     return self._closed_message(session_id)
+
+    def pace(self, session_id: str, start_in_s: float) -> None:
+        """Just in time: start this session's next block `start_in_s` seconds from now (0 or less: at once),
+        not as soon as the outbox has room. A consumer that knows when its viewer will need the next block
+        (the stream, from the player's playhead) calls this after each block it takes, so the block is
+        computed as late as playback allows and applies the input that arrived until then."""
+        with self._lock:
+            live = self._live_locked(session_id)
+            live.paced = True
+            live.start_at = self.clock() + start_in_s
+            self._changed.notify_all()
 
     def _closed_message(self, session_id: str) -> Closed:
         """Why a recently closed session ended; an id never seen (or long forgotten) raises UnknownSession."""
@@ -495,8 +513,20 @@ class Engine:
     # -- the worker --------------------------------------------------------------------------------
 
     def _runnable_locked(self, live: _Live) -> bool:
-        return (live.session.status is not SessionStatus.CLOSED and not live.waiting_for_input
-                and live.blocks_waiting < self.config.max_lead_blocks)
+        return (self._may_run_locked(live) and live.blocks_waiting < self.config.max_lead_blocks
+                and self.clock() >= live.start_at)
+
+    def _may_run_locked(self, live: _Live) -> bool:
+        return live.session.status is not SessionStatus.CLOSED and not live.waiting_for_input
+
+    def _idle_wait_locked(self) -> float:
+        """How long the idle worker sleeps: until the earliest paced start, at most worker_poll_s."""
+        starts = [live.start_at for live in self._sessions.values()
+                  if self._may_run_locked(live) and live.blocks_waiting < self.config.max_lead_blocks]
+        wait = self.config.worker_poll_s
+        if starts:
+            wait = min(wait, max(min(starts) - self.clock(), 0.001))
+        return wait
 
     def _pick_locked(self) -> tuple[str, _Live] | None:
         """The next session that may run, round-robin: it moves to the back of the order."""
@@ -589,7 +619,7 @@ class Engine:
                 with self._lock:
                     if not self._stopped and not self._jobs and not any(
                             self._runnable_locked(live) for live in self._sessions.values()):
-                        self._changed.wait(self.config.worker_poll_s)
+                        self._changed.wait(self._idle_wait_locked())
 
     def _stop_worker(self) -> None:
         """Stop the worker after the jobs already queued; later model work runs in its callers' threads."""

@@ -5,13 +5,15 @@ seat, then takes each finished block from the engine, writes it as a self-contai
 (gr.Video(streaming=True) appends the segments into one growing video) and keeps it for the
 download. Buttons and keys never produce video: they only post events (`act`).
 
-Pacing: the engine computes at most one block ahead of what its consumer has taken, so *when* the
-stream takes a block decides when the next one is computed, and so how old the input is that the
-viewer sees. The stream takes the next block only once the viewer's playhead (reported by the page,
-else estimated) is within `lead_s` of the end of what was sent. The world then stays one block ahead
-of the screen: a key pressed u seconds before a take shows up u + lead_s + one block later (about
-1.6 s at 16 FPS). Where blocks take longer than they play, the viewer waits for each block anyway
-and the stream takes blocks as they come: latency is then about 1.5 blocks' compute time.
+Pacing, just in time: a block applies the input queued when it starts, so the later it starts the
+fresher the picture. The stream takes each block as soon as it is made and tells the engine when to
+start the next one (`Engine.pace`): late enough that it reaches the stream `lead_s` before the
+viewer's playhead (reported by the page, else estimated) runs out of video, given how long a block
+takes to make. No finished block waits in the outbox with old input: a key pressed u seconds before a
+block starts shows up u + the block's making + lead_s later, about 1.3-1.7 s here when blocks make
+faster than they play. Where blocks take longer than they play, each starts at once and the viewer
+waits for it anyway. The telemetry line shows each key's press -> frame latency as the stream
+estimates it.
 
 The stream only drains the engine's messages for its session (NewWorld, Block, Failed, Closed): the
 world's state, its idle policy and its close reason are the engine's, and the recording builds the
@@ -31,11 +33,13 @@ the engine owns the sessions; this module keeps session ids and recordings (ling
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -49,17 +53,22 @@ from .session import SessionStatus
 
 
 
+MAX_TRACKED_EVENTS = 256  # posted events whose times are kept for the key -> frame figure
+
+
 class StreamError(ValueError):
     """Something the viewer asked for cannot be done; the message says why and what to do."""
 
 
 @dataclass(frozen=True)
 class StreamConfig:
-    # Video still queued ahead of the playhead when the next block is taken. It must cover the segment's
-    # way to the player (muxing, SSE, HLS fetch: ~0.3 s measured here) plus the ~0.1 s a player wants
-    # in hand; below that it stalls for a moment every block, above it only adds latency.
+    # Video still queued ahead of the playhead when the next block reaches the stream. It must cover the
+    # segment's way to the player (muxing, SSE, HLS fetch: ~0.3 s measured here) plus the ~0.1 s a player
+    # wants in hand; below that it stalls for a moment every block, above it only adds latency.
     lead_s: float = 0.6
     delivery_s: float = 0.4  # a sent segment starts playing about this much later (for the estimate)
+    block_margin_s: float = 0.05  # added to a block's measured time when its start is scheduled (pixels, queueing)
+    repace_s: float = 0.02  # the engine is told a new start time when the estimate moves by more than this
     poll_s: float = 0.1  # longest single wait on the engine, so a stop or disconnect is noticed quickly
     line_poll_s: float = 1.0  # how often a viewer waiting in line asks again (the engine drops silent tickets)
     keep_recordings_s: float = 1800.0  # an ended stream's segments stay downloadable this long
@@ -132,10 +141,13 @@ class PlaybackClock:
 
 
 def telemetry_line(block: Block, frames: int, fps: int, status: dict[str, Any] | None,
-                   stats: dict[str, Any], note: str = "") -> str:
+                   stats: dict[str, Any], note: str = "", key_ms: float | None = None) -> str:
+    """key_ms: the estimated key press -> first frame on screen latency of the keys this block applied."""
     generated_fps = frames / (block.block_ms / 1000.0) if block.block_ms > 0 else float("inf")
     parts = [f"block {block.block_index}", f"{block.block_ms:.0f} ms/block",
              f"{generated_fps:.1f} FPS generated (playback {fps})"]
+    if key_ms is not None:
+        parts.append(f"key → frame ≈ {key_ms:.0f} ms")
     if status is not None:
         parts.append(f"session memory {status['bytes'] / 2**20:.1f} MiB")
         if status.get("queued_events"):
@@ -173,6 +185,8 @@ class _Record:
     viewer: str | None  # the Gradio session that started it: the only one whose verbs it obeys
     recording: Recording
     playhead: tuple[float, float] | None = None  # (when, seconds): the player's last report, if it reports
+    # When this app posted each event not yet seen in a block (event id -> time): the key -> frame figure.
+    posted: OrderedDict[int, float] = field(default_factory=OrderedDict)
     live: bool = True  # False once this app closed the world or the stream saw it close: frees the claim
     ended_at: float | None = None
     streaming: bool = True  # its generator is running (and may still write segments)
@@ -331,6 +345,8 @@ class LiveService:
         session_id = record.session_id
         abandoned = f"nobody read the stream for {cfg.unread_timeout_s:g} s"
         just_sent = True  # an update was sent and nothing awaited since: its reader may not have had a turn
+        block_s = None  # how long a block takes to make (a running average), once one was made
+        paced_at = None  # when the engine was last told to start the next block (None: not since the last block)
         while True:
             if not just_sent and watch.abandoned():  # nobody reads (a fire-and-forget API call): free the seat
                 await self._call(self._end, record, abandoned)
@@ -339,10 +355,14 @@ class LiveService:
             now = self.clock()
             if record.playhead is not None:
                 clock.observe(record.playhead[1], record.playhead[0])
-            wait = clock.wait_before_next(now, cfg.lead_s) if record.live else 0.0  # closed: fetch the reason
-            if wait > 0:
-                await asyncio.sleep(min(wait, cfg.poll_s))
-                continue
+            if record.live and block_s is not None:
+                # Just in time: the next block starts so that it reaches this stream `lead_s` before the player
+                # runs dry, and so applies every key pressed until then (a playhead report may move it).
+                start_in = clock.wait_before_next(now, cfg.lead_s + block_s)
+                if paced_at is None or abs(now + start_in - paced_at) > cfg.repace_s:
+                    with contextlib.suppress(UnknownSession):  # closed: next_message says why
+                        await self._call(self.engine.pace, session_id, start_in)
+                    paced_at = now + start_in
             try:
                 message = await self._call(self.engine.next_message, session_id, cfg.poll_s)
             except UnknownSession:  # closed so long ago that the engine forgot why
@@ -364,17 +384,25 @@ class LiveService:
             if isinstance(message, NewWorld):
                 await self._call(record.recording.new_world, message.replay)
                 continue
+            made_s = 1.1 * message.block_ms / 1000.0 + cfg.block_margin_s  # the block, its pixels, the scheduling
+            block_s = made_s if block_s is None else 0.7 * block_s + 0.3 * made_s
+            paced_at = None  # taking it held the next block back until the next `pace`
             try:
                 segment, frames = await self._call(self._record_block, record, message)
             except OSError:
                 if record.live:
                     raise
                 continue  # the viewer left and its recording went with it: the engine's Closed comes next
-            telemetry = await self._call(self._telemetry, message, frames, session_id)
+            clock.on_sent(frames / self.fps, self.clock())
+            # Key -> frame: from the first of this block's events reaching the server to the block's first frame
+            # on screen (estimated as the playback clock places it).
+            posted = [t for t in (record.posted.pop(i, None) for i in message.event_ids) if t is not None]
+            shows_at = clock.origin + clock.sent_s - frames / self.fps
+            key_ms = 1000.0 * (shows_at - min(posted)) if posted else None
+            telemetry = await self._call(self._telemetry, message, frames, session_id, key_ms)
             if watch.abandoned():  # sampled after the awaits above, so a reader has had its turn
                 await self._call(self._end, record, abandoned)
                 return
-            clock.on_sent(frames / self.fps, self.clock())
             yield StreamUpdate(segment, telemetry, session_id, block=message)
             just_sent = True
 
@@ -382,14 +410,14 @@ class LiveService:
         """Encode one block as the next segment of the recording; returns it and its frame count."""
         return record.recording.add(message.pixels, self.fps, message.replay_entry), len(message.pixels)
 
-    def _telemetry(self, message: Block, frames: int, session_id: str) -> str:
+    def _telemetry(self, message: Block, frames: int, session_id: str, key_ms: float | None = None) -> str:
         try:
             status = self.engine.session_status(session_id)
         except UnknownSession:
             status = None
         if status is not None and status["status"] == SessionStatus.CLOSED.value:
             status = None  # closed since this block was made: no memory or queue figures to show
-        return telemetry_line(message, frames, self.fps, status, self.engine.stats())
+        return telemetry_line(message, frames, self.fps, status, self.engine.stats(), key_ms=key_ms)
 
     def _background(self, fn, *args) -> None:
         """Run a cleanup without waiting for it (it may wait on the engine's model lock)."""
@@ -473,6 +501,9 @@ class LiveService:
         for number, event in enumerate(items):
             try:
                 self.engine.post_event(record.session_id, event)
+                record.posted[event.event_id] = self.clock()
+                while len(record.posted) > MAX_TRACKED_EVENTS:  # events no block applied (dropped, reset)
+                    record.posted.popitem(last=False)
             except EventError as exc:
                 done = f" ({number} earlier events of this call were queued)" if number else ""
                 raise StreamError(f"{exc}{done}") from None
