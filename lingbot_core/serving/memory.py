@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..kv_cache import KVPagePool
+from ..kv_cache import BlockKV, KVPagePool
 from ..model import vae_stream
 from ..video import frames_to_uint8
 
@@ -188,7 +188,7 @@ class MemoryPlan:
     reserved_bytes + sessions x session_bytes <= budget and sessions <= capacity."""
 
     footprint: Footprint
-    block_reserve: int  # the one running block: its pages, pending encoder/decoder/text state, scratch
+    block_reserve: int  # the one running block: its pages, pending encoder/decoder/text state, scratch, KV window
     condition_reserve: int  # condition streams kept for pictures no session reads now
     session_bytes: int  # one session between blocks at its largest + the finished blocks its consumer may hold
     budget: int
@@ -224,7 +224,9 @@ def plan_memory(pipeline, *, budget_bytes: int | None, fraction: float, max_sess
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     footprint = measure_footprint(pipeline)
-    block_reserve = footprint.in_flight
+    # The running block's own bytes, and the KV window its transformer stages gather (the worker's, not a
+    # session's: freed before the block decodes, so no session's in-flight bytes include it).
+    block_reserve = footprint.in_flight + BlockKV.window_nbytes(pipeline.config, pipeline.dtype)
     if cuda:
         transient = torch.cuda.max_memory_allocated(device) - base - (
             footprint.text_kv + footprint.condition + footprint.decoder)  # what the probe itself held at most
