@@ -48,16 +48,17 @@ from gradio.utils import get_upload_folder
 from lingbot_core.config import EMBEDDED, tiny_config
 from lingbot_core.events import EventError, read_events, read_events_file
 from lingbot_core.example_folder import ExampleFolderError, example_from_files
-from lingbot_core.generate import controls_from_events, describe_plan, plan_trajectory, trajectory_controls, write_rollout
-from lingbot_core.image import load_image
+from lingbot_core.generate import (RenderRequest, controls_from_events, describe_plan, plan_trajectory,
+                                   trajectory_controls)
 from lingbot_core.model import camera
-from lingbot_core.model.text import normalize_prompt
 from lingbot_core.pipeline import load_pipeline
 from lingbot_core.allocator import keep_freed_memory
 from lingbot_core.precision import AUTO, DTYPE_CHOICES
 from lingbot_core.startup import StartupLog
 from lingbot_core.serving.engine import Engine, EngineConfig
-from lingbot_core.serving.streaming import LiveService, Recording, StreamConfig, StreamError, check_seed
+from lingbot_core.requests import parse_start
+from lingbot_core.serving.streaming import LiveService, StreamConfig, StreamError
+from lingbot_core.video import Recording
 from lingbot_core.workdir import WorkFolder
 from lingbot_core.world.examples import EXAMPLE_SEEDS, StartPictures, example_name
 from lingbot_core.world.ground_truth import GroundTruthRenderer, GroundTruthView, beside
@@ -190,16 +191,17 @@ def create_engine(model: str | None = None, *, device: str | None = None, dtype:
 # Offline generation (one MP4 from a script or a trajectory)
 
 
-def generate_offline(pipeline, image, prompt, seed, script_text, script_file, poses_file, intrinsics_file,
+def generate_offline(engine: Engine, image, prompt, seed, script_text, script_file, poses_file, intrinsics_file,
                      out_dir: Path, trusted_root: Path, max_blocks: int, example_files=None) -> tuple[str, str]:
     """An action script (JSONL text or file), a poses/intrinsics pair, or an official example folder's files
     dropped together -> one MP4. Raises StreamError.
 
     A folder's image.jpg and prompt.txt replace the image and prompt fields (dropping the folder is the
     later, explicit choice); a folder without them uses the fields. A trajectory longer than max_blocks
-    is cut to max_blocks, as upstream cuts a trajectory to the requested video; the message says so.
+    is cut to max_blocks, as upstream cuts a trajectory to the requested video; the message says so. The
+    inputs are parsed here, once, into a RenderRequest; the render runs on the engine's model thread.
     """
-    config = pipeline.config
+    config = engine.pipeline.config
     frames_per_block = config.transformer.num_frames_per_block
     has_script = bool(script_file) or bool(script_text and script_text.strip())
     has_trajectory = bool(poses_file) or bool(intrinsics_file)
@@ -215,8 +217,7 @@ def generate_offline(pipeline, image, prompt, seed, script_text, script_file, po
             prompt = folder.prompt if folder.prompt is not None else prompt
         if image is None:
             raise StreamError("upload a start image first")
-        picture = load_image(image)
-        text = normalize_prompt(prompt, config.text.max_prompt_chars)
+        start = parse_start(image, prompt, seed, config)
         start_camera = None
         if has_script:
             events = read_events_file(script_file, frames_per_block) if script_file else \
@@ -233,7 +234,7 @@ def generate_offline(pipeline, image, prompt, seed, script_text, script_file, po
             controls = trajectory_controls(plan)
             note = f"; {describe_plan(plan)}"
             start_camera = camera.CameraState(poses[0])
-    except (EventError, ExampleFolderError, ValueError) as exc:  # ImageError, PromptError, TrajectoryError
+    except (EventError, ExampleFolderError, ValueError) as exc:  # also ImageError, PromptError, RequestError, ...
         raise StreamError(str(exc)) from None
     if not controls:
         raise StreamError("the action script holds no events")
@@ -248,8 +249,7 @@ def generate_offline(pipeline, image, prompt, seed, script_text, script_file, po
     handle, name = tempfile.mkstemp(suffix=".mp4", prefix="lingbot-offline-", dir=out_dir)
     os.close(handle)  # the writer opens the file by name
     out = Path(name)
-    blocks = write_rollout(pipeline.rollout(picture, text, check_seed(seed), controls, start_camera=start_camera),
-                           out, config)
+    blocks = engine.render(RenderRequest(start, tuple(controls), start_camera), out)
     frames = config.pixel_frames_for_blocks(blocks)
     return str(out), f"{blocks} blocks, {frames} frames at {config.fps} FPS ({frames / config.fps:.2f} s){note}"
 
@@ -526,10 +526,11 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
             raise _user_error(exc) from None
         return str(mp4), str(replay)
 
-    # On ZeroGPU the decorated call runs in a forked GPU worker: only these small arguments cross over.
+    # The render is queued on the engine's model thread (engine.render). On ZeroGPU the decorated call runs
+    # in a forked GPU worker, where the engine has no worker thread and renders in the calling thread.
     @spaces.GPU(duration=300)
     def generate_on_gpu(image, prompt, seed, script_text, script_file, poses_file, intrinsics_file, example_files):
-        return generate_offline(engine.pipeline, image, prompt, seed, script_text, script_file, poses_file,
+        return generate_offline(engine, image, prompt, seed, script_text, script_file, poses_file,
                                 intrinsics_file, workdir / "offline", Path(get_upload_folder()), offline_max_blocks,
                                 example_files)
 
@@ -555,7 +556,7 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
                     if world_model:
                         new_world_button = gr.Button("New world", size="sm", elem_id="lingbot-new-world")
                     prompt = gr.Textbox(label="Prompt", value=examples[0][1], max_lines=3)
-                    # No rounding (precision=None): check_seed refuses 1.5 instead of playing seed 2.
+                    # No rounding (precision=None): parse_seed refuses 1.5 instead of playing seed 2.
                     seed = gr.Number(label="Seed", value=0)
                     gr.Examples(examples, inputs=[image, prompt],
                                 label="Examples: held-out worlds" if world_model else "Examples")
@@ -605,7 +606,7 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
                 with gr.Column():
                     off_image = start_image(label="Start image", height=200, value=examples[0][0])
                     off_prompt = gr.Textbox(label="Prompt", value=examples[0][1])
-                    off_seed = gr.Number(label="Seed", value=0)  # unrounded: check_seed refuses 1.5
+                    off_seed = gr.Number(label="Seed", value=0)  # unrounded: parse_seed refuses 1.5
                     script = gr.Code(label="Action script (JSONL: one event per block)", language=None,
                                      value=(EXAMPLES / "walk.jsonl").read_text())
                     script_file = gr.File(label="…or a .jsonl script file", file_types=[".jsonl", ".txt", ".json"])
@@ -720,8 +721,7 @@ def main(argv: list[str] | None = None) -> None:
                            engine_config=EngineConfig(memory_budget_bytes=budget, max_sessions=max_sessions,
                                                       idle_ttl_s=args.idle_ttl))
     with log.stage("build the page"):
-        app = build_demo(engine, stream_config=StreamConfig(input_idle_s=args.idle_ttl,
-                                                            max_streams_per_address=args.max_per_address),
+        app = build_demo(engine, stream_config=StreamConfig(max_streams_per_address=args.max_per_address),
                          offline_max_blocks=args.offline_max_blocks, workdir=workdir)
     try:
         _, url, _ = app.launch(server_name=args.host, server_port=args.port, prevent_thread_lock=True)

@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lingbot_core.pipeline import load_pipeline  # noqa: E402
 from lingbot_core.precision import AUTO, DTYPE_CHOICES  # noqa: E402
-from lingbot_core.serving.engine import BlockMessage, Engine, EngineConfig  # noqa: E402
+from lingbot_core.requests import parse_start  # noqa: E402
+from lingbot_core.serving.engine import Block, Engine, EngineConfig, NewWorld  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = ROOT / "examples" / "forest.png"
@@ -70,7 +71,9 @@ def _consume(engine: Engine, session_id: str, blocks: int, on_block) -> list[Tim
     for index in range(blocks):
         engine.post_event(session_id, {"event_id": index, "keys": KEYS[index % len(KEYS)]})
         message = engine.next_message(session_id, timeout=3600)
-        if not isinstance(message, BlockMessage):
+        while isinstance(message, NewWorld):  # the world's header comes first: the figures are in the blocks
+            message = engine.next_message(session_id, timeout=3600)
+        if not isinstance(message, Block):
             raise RuntimeError(f"session {session_id}: {message}")
         timings.append(Timing(message.block_index, message.block_ms, message.stage_ms.get("condition", 0.0)))
         on_block(index, message)
@@ -109,7 +112,7 @@ def long_rollout(loader, args) -> tuple[float, object]:
     try:
         started = time.perf_counter()  # admission included, as in the concurrent run
         system_cpu = resource.getrusage(resource.RUSAGE_SELF).ru_stime
-        session_id = engine.admit(IMAGE, "a forest path in spring", 0).session_id
+        session_id = engine.admit(parse_start(IMAGE, "a forest path in spring", 0, engine.pipeline.config)).session_id
         timings = _consume(engine, session_id, args.blocks, on_block)
         elapsed = time.perf_counter() - started
         system_cpu = resource.getrusage(resource.RUSAGE_SELF).ru_stime - system_cpu
@@ -149,7 +152,8 @@ def concurrent(pipe, args, single_fps: float) -> None:
     engine = Engine(pipe, EngineConfig(max_sessions=args.sessions, idle_ttl_s=3600))
     try:
         started = time.perf_counter()
-        ids = [engine.admit(IMAGE, f"a forest path, world {i}", i).session_id for i in range(args.sessions)]
+        ids = [engine.admit(parse_start(IMAGE, f"a forest path, world {i}", i, engine.pipeline.config)).session_id
+               for i in range(args.sessions)]
         results: dict[str, list[Timing]] = {}
         finished: dict[str, float] = {}
         errors: list[BaseException] = []

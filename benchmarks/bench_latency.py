@@ -93,7 +93,7 @@ SHOWN_AT = "(t) => { const f = window.__probe.frames.find((x) => x[1] >= t); ret
 def run(args) -> dict:
     from playwright.sync_api import sync_playwright
 
-    engine = lingbot_app.create_engine(args.model, preset=args.preset,
+    engine = lingbot_app.create_engine(args.model, preset=args.preset, compile=args.compile,
                                        engine_config=EngineConfig(max_sessions=2))
     config = engine.pipeline.config
     half_frame = 0.5 / config.fps
@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--preset", help="test preset (tiny) instead of the full embedded size")
     parser.add_argument("--shot", help="save a screenshot here at the end")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="as the app's --compile (default: its choice; --no-compile: eager from the first block, "
+                             "without a background build sharing the cores)")
     args = parser.parse_args(argv)
     if not Path(CHROMIUM).exists():
         print(f"error: {CHROMIUM} is missing (apt-get install chromium)", file=sys.stderr)
@@ -175,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"generation: median {median_block:.0f} ms per 12-frame block "
               f"({12 / (median_block / 1000):.1f} FPS generated vs 16 FPS playback)")
     print(f"player buffer ahead of the playhead: median {r['ahead_s'] * 1000:.0f} ms; the player waited for data "
-          f"{r['stalls']} times in {r['played_s']:.1f} s of video")
+          f"{r['stalls']} times in {r['played_s']:.1f} s of video ({60 * r['stalls'] / r['played_s']:.1f} stalls "
+          "per minute)")
     return 0
 
 

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lingbot_core.events import EventError, read_events_file  # noqa: E402
 from lingbot_core.precision import AUTO, DTYPE_CHOICES  # noqa: E402
-from lingbot_core.serving.engine import Admission, BlockMessage, Engine, EngineConfig  # noqa: E402
+from lingbot_core.requests import parse_start  # noqa: E402
+from lingbot_core.serving.engine import Admission, Block, Engine, EngineConfig, NewWorld  # noqa: E402
 from lingbot_core.video import H264Writer  # noqa: E402
 
 def run(pipeline, image, prompt: str, seed: int, events: list, output_dir: Path, log=print) -> Engine:
@@ -37,7 +38,7 @@ def run(pipeline, image, prompt: str, seed: int, events: list, output_dir: Path,
     # The script plays the worker itself (run_once), so each event meets exactly the block it is meant for.
     engine = Engine(pipeline, EngineConfig(max_sessions=1), start_worker=False)
     try:
-        ticket = engine.admit(image, prompt, seed)
+        ticket = engine.admit(parse_start(image, prompt, seed, config))  # parsed once, here at the boundary
         if ticket.admission is not Admission.ADMITTED:
             raise RuntimeError("the engine has no room for one session")
         session_id = ticket.session_id
@@ -47,8 +48,10 @@ def run(pipeline, image, prompt: str, seed: int, events: list, output_dir: Path,
                 engine.post_event(session_id, event)
                 engine.run_once()
                 message = engine.next_message(session_id, timeout=0)
-                if not isinstance(message, BlockMessage):
-                    raise RuntimeError(message.text if message is not None else "no block was produced")
+                if isinstance(message, NewWorld):  # first in the outbox; the replay is saved from the engine below
+                    message = engine.next_message(session_id, timeout=0)
+                if not isinstance(message, Block):
+                    raise RuntimeError(str(message) if message is not None else "no block was produced")
                 frames = message.pixels
                 stem = output_dir / f"block_{message.block_index:05d}"
                 torch.save(message.latents, f"{stem}_latents.pt")

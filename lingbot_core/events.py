@@ -16,6 +16,7 @@ from .model.camera import VALID_KEYS
 from .user_text import check_text, quote
 
 MAX_EVENT_LINE_BYTES = 64 * 1024
+MAX_EVENTS_PER_CALL = 64
 
 
 class EventError(ValueError):
@@ -97,6 +98,28 @@ def decode_json(text: str | bytes) -> object:
         raise EventError("the JSON is nested too deeply to read") from None
     except ValueError:  # Python's cap on integer digits (int_max_str_digits)
         raise EventError("the JSON holds a number with too many digits") from None
+
+
+def parse_actions(events: str | dict | list, frames_per_block: int) -> list[Event]:
+    """The events of one live call (an app's /act): one event object or a list of them, as JSON text or
+    already decoded, each parsed by `parse_event`; all are checked before any is used."""
+    if isinstance(events, str):
+        if not events.strip():
+            return []
+        if len(events) > MAX_EVENTS_PER_CALL * MAX_EVENT_LINE_BYTES:
+            raise EventError(f"the events text is {len(events)} characters; at most "
+                             f"{MAX_EVENTS_PER_CALL * MAX_EVENT_LINE_BYTES} are accepted in one call")
+        try:
+            events = decode_json(events)
+        except EventError as exc:
+            raise EventError(f"the events cannot be read: {exc}") from None
+    if isinstance(events, dict):
+        events = [events]
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise EventError('events must be a JSON object like {"event_id": 1, "keys": ["w"]} or a list of them')
+    if len(events) > MAX_EVENTS_PER_CALL:
+        raise EventError(f"at most {MAX_EVENTS_PER_CALL} events per call, got {len(events)}")
+    return [parse_event(raw, frames_per_block) for raw in events]
 
 
 def read_events(text: str, frames_per_block: int) -> list[Event]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -29,6 +30,7 @@ from .example_folder import read_example_folder
 from .image import load_image
 from .model import camera
 from .precision import AUTO, DTYPE_CHOICES
+from .requests import StartRequest, parse_start
 from .rollout import BlockControl
 from .video import H264Writer, frames_to_uint8
 
@@ -67,6 +69,22 @@ def describe_plan(plan: camera.TrajectoryPlan) -> str:
     total = plan.frames_used + plan.frames_dropped
     return (f"trajectory: {plan.frames_used} of its {total} frames used for {len(plan.blocks)} blocks, "
             f"{plan.frames_dropped} dropped")
+
+
+@dataclass(frozen=True)
+class RenderRequest:
+    """One offline video, parsed at the boundary (the command line, the app's offline tab)."""
+
+    start: StartRequest
+    controls: tuple[BlockControl, ...]  # one a block: key sets from a script, or a trajectory's poses
+    start_camera: camera.CameraState | None = None  # a trajectory's first pose (None: the key integrator's start)
+
+
+def render(pipeline, request: RenderRequest, out_path: Path, latents_out: Path | None = None) -> int:
+    """The one offline render, shared by the command and the app (which queues it on its model thread):
+    the rollout of `request` encoded into an MP4 as it is made. Returns the number of blocks."""
+    outputs = pipeline.rollout_request(request.start, request.controls, start_camera=request.start_camera)
+    return write_rollout(outputs, out_path, pipeline.config, latents_out)
 
 
 def write_rollout(outputs: Iterator, out_path: Path, config: ModelConfig, latents_out: Path | None = None) -> int:
@@ -143,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             if image_path is None or prompt is None:
                 raise ValueError(f"{args.action_path} has no " + ("image.jpg" if image_path is None else "prompt.txt")
                                  + "; give " + ("--image" if image_path is None else "--prompt"))
-        # The image is checked before the model loads and before the output file is created.
+        # The image is decoded and checked before the model loads and before the output file is created.
         image = load_image(image_path)
         log = StartupLog()
         log.note(f"starting: torch {torch.__version__}, {torch.get_num_threads()} threads, "
@@ -166,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             start_camera = camera.CameraState(poses[0])
         if not controls:
             parser.error("the events file holds no events")
-        blocks = write_rollout(pipe.rollout(image, prompt, args.seed, controls, start_camera=start_camera),
-                               Path(args.out), pipe.config, Path(args.latents_out) if args.latents_out else None)
+        request = RenderRequest(parse_start(image, prompt, args.seed, pipe.config), tuple(controls), start_camera)
+        blocks = render(pipe, request, Path(args.out), Path(args.latents_out) if args.latents_out else None)
     except ValueError as exc:  # every input error is a ValueError subclass with a readable message
         print(f"error: {exc}", file=sys.stderr)
         return 2

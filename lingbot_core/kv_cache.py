@@ -4,9 +4,14 @@ Storage follows [sink][recent window] while RoPE positions stay absolute (K is r
 stored), so a rollout never runs out of positions: pages whose frames leave the window go back to
 the pool as soon as the block that made them obsolete commits.
 
-The transformer sees a `BlockKV` through two verbs: `context(layer)` gathers the frames this block
-attends to, and `store(layer, k, v)` writes this block's K/V into pages reserved for it. Those pages
-join the page table only on `SessionKV.commit`; until then a failure just frees them.
+A block's context is gathered once, when its `BlockKV` is made, into a fixed window of
+sink_size + recent_frames frame slots for every layer, with a validity mask over the slots no frame
+fills yet (the first blocks). Every forward of the block (four denoise steps and the commit) reads that
+one buffer, and its shape never changes over a rollout, so a compiled forward has one graph.
+
+The transformer sees a `BlockKV` through `context(layer)` and `context_valid` (the window and its mask)
+and `store(layer, k, v)`, which writes this block's K/V into pages reserved for it. Those pages join the
+page table only on `SessionKV.after_commit`; until then a failure just frees them.
 """
 
 from __future__ import annotations
@@ -17,18 +22,23 @@ import torch
 
 from .config import ModelConfig
 from .model.attention import context_frames
-from .serving.pages import PageAllocator
+from .pages import PageAllocator
 
 
 class KVPagePool:
     """The K and V tensors of every page: [layers, pages, tokens_per_frame, heads, head_dim] each."""
 
-    def __init__(self, config: ModelConfig, num_pages: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: ModelConfig, num_pages: int, dtype: torch.dtype, device: torch.device | str,
+                 allocator: PageAllocator | None = None) -> None:
+        """allocator: the page bookkeeping of whoever owns these pages (the engine keeps its own and admits by
+        it); None: a private one, for an offline rollout."""
         t = config.transformer
         shape = (t.num_layers, num_pages, config.tokens_per_frame, t.num_attention_heads, t.attention_head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.allocator = PageAllocator(num_pages)
+        if allocator is not None and allocator.num_pages != num_pages:
+            raise ValueError(f"the allocator keeps {allocator.num_pages} pages, the pool has {num_pages}")
+        self.allocator = allocator if allocator is not None else PageAllocator(num_pages)
 
     @staticmethod
     def page_nbytes(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -62,8 +72,7 @@ class SessionKV:
         missing = [f for f in frames if f not in self.frame_pages]
         if missing:
             raise RuntimeError(f"KV pages for frames {missing} are not in the page table")
-        ids = torch.tensor([self.frame_pages[f] for f in frames], dtype=torch.long, device=pool.k.device)
-        return BlockKV(pool, ids, write_pages)
+        return BlockKV.gather(pool, config, [self.frame_pages[f] for f in frames], write_pages)
 
     def after_commit(self, config: ModelConfig, start_frame: int, new_pages: list[int]) -> tuple["SessionKV", list[int]]:
         """The page table once the block at start_frame committed, and the pages that left the window."""
@@ -79,24 +88,62 @@ class SessionKV:
 
 
 class BlockKV:
-    """What one forward reads (context pages) and, for the commit forward, where it writes."""
+    """One block's cache: its context window, gathered once and read by every forward, and where the commit writes.
 
-    def __init__(self, pool: KVPagePool, context_ids: torch.Tensor, write_pages: list[int] | None) -> None:
-        self.pool = pool
-        self.context_ids = context_ids
+    k, v: [layers, 1, context_slots * tokens, H, D] (context_slots = sink_size + recent_frames). Slot i holds
+    the block's i-th context frame (sink first, then recent); the slots past its context are zeros, and
+    `context_valid` (bool [context_slots * tokens]) is False on their tokens so attention gives them no weight.
+    """
+
+    def __init__(self, pool: KVPagePool, k: torch.Tensor, v: torch.Tensor, context_valid: torch.Tensor,
+                 write_pages: list[int] | None) -> None:
+        self.pool, self.k, self.v, self.context_valid = pool, k, v, context_valid
         self.writes = write_pages is not None
         self._write_ids = (torch.tensor(write_pages, dtype=torch.long, device=pool.k.device)
                            if write_pages is not None else None)
 
-    def context(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.context_ids.numel() == 0:
-            return None
-        k = self.pool.k[layer].index_select(0, self.context_ids)  # [n, T, H, D], a fresh contiguous tensor
-        v = self.pool.v[layer].index_select(0, self.context_ids)
-        return k.flatten(0, 1).unsqueeze(0), v.flatten(0, 1).unsqueeze(0)  # [1, n*T, H, D]
+    @classmethod
+    def gather(cls, pool: KVPagePool, config: ModelConfig, context_pages: list[int],
+               write_pages: list[int] | None = None) -> "BlockKV":
+        """Copy the pages of the block's context frames (in order) into a fresh fixed window."""
+        slots = context_slots(config)
+        if len(context_pages) > slots:
+            raise ValueError(f"{len(context_pages)} context pages exceed the window of {slots} frames")
+        layers, _, tokens, heads, head_dim = pool.k.shape
+        ids = torch.tensor(context_pages, dtype=torch.long, device=pool.k.device)
+        k = pool.k.new_zeros((layers, slots, tokens, heads, head_dim))  # zeros: finite values under the mask
+        v = pool.v.new_zeros((layers, slots, tokens, heads, head_dim))
+        k[:, :len(context_pages)] = pool.k.index_select(1, ids)
+        v[:, :len(context_pages)] = pool.v.index_select(1, ids)
+        valid = torch.arange(slots * tokens, device=pool.k.device) < len(context_pages) * tokens
+        # [layers, slots, T, H, D] -> [layers, 1, slots*T, H, D]: layer l is the [1, Lctx, H, D] attention reads.
+        return cls(pool, k.flatten(1, 2).unsqueeze(1), v.flatten(1, 2).unsqueeze(1), valid, write_pages)
+
+    def writing(self, write_pages: list[int]) -> "BlockKV":
+        """The same gathered context, writing this block's K/V into `write_pages` (the commit forward)."""
+        return BlockKV(self.pool, self.k, self.v, self.context_valid, write_pages)
+
+    def context(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer], self.v[layer]  # [1, context_slots * T, H, D] each, contiguous
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes + self.context_valid.nbytes
+
+    @staticmethod
+    def window_nbytes(config: ModelConfig, dtype: torch.dtype) -> int:
+        """Bytes of one gathered window (context_slots pages' worth, plus its mask): working memory of the
+        running block's transformer stages, freed before it decodes; one per thread that runs blocks."""
+        mask = context_slots(config) * config.tokens_per_frame * torch.empty((), dtype=torch.bool).element_size()
+        return context_slots(config) * KVPagePool.page_nbytes(config, dtype) + mask
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         assert self._write_ids is not None, "this view does not write"
         n, (_, tokens, heads, head_dim) = self._write_ids.numel(), self.pool.k.shape[1:]
         self.pool.k[layer].index_copy_(0, self._write_ids, k.reshape(n, tokens, heads, head_dim).to(self.pool.k.dtype))
         self.pool.v[layer].index_copy_(0, self._write_ids, v.reshape(n, tokens, heads, head_dim).to(self.pool.v.dtype))
+
+
+def context_slots(config: ModelConfig) -> int:
+    """Frames a block's context window holds at most: the sink plus the recent frames (14B: 9 + 6 = 15)."""
+    return config.transformer.sink_size + config.transformer.recent_frames

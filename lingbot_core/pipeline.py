@@ -16,7 +16,7 @@ from .compile_cache import graphs_cached, graphs_key, keep_compiled_kernels, mar
 from .compile_switch import BACKGROUND, COMPILED, EAGER, CompileSwitch, warm_blocks
 from .condition_cache import ConditionCache
 from .config import ModelConfig
-from .image import image_to_tensor, load_image
+from .image import image_to_tensor
 from .kv_cache import KVPagePool
 from .loading import LoadedParts, load_pipeline_parts
 from .startup import StartupLog, maybe_stage
@@ -24,6 +24,7 @@ from .model.attention import context_frames
 from .model.text import TextEncoder, normalize_prompt
 from .model.vae_stream import ConditionStream, FrameDecoder, compile_frame_decoder, decode_latent_frame
 from .precision import AUTO, DTYPES, Precision, choose_precision
+from .requests import StartRequest, parse_start
 from .rollout import BlockControl, BlockOutput, RolloutState, condition_pixels, new_rollout, release, step_block
 
 
@@ -51,20 +52,25 @@ class Pipeline:
 
     def encode_prompt(self, prompt: str) -> Any:
         """Per-layer cross-attention K/V for a prompt: computed once, reused by every forward."""
-        text = normalize_prompt(prompt, self.config.text.max_prompt_chars)
         with torch.inference_mode():
-            states = self.text_encoder.encode(text).to(device=self.device, dtype=self.dtype)
+            states = self.text_encoder.encode(prompt).to(device=self.device, dtype=self.dtype)
             return self.transformer.prepare_text(states)
 
-    def start(self, image, prompt: str, seed: int, conditions: ConditionCache | None = None,
-              **kwargs) -> RolloutState:
-        """A new world. conditions: share the picture's condition stream through this cache."""
-        pixels = image_to_tensor(load_image(image), self.config.height, self.config.width)
-        text = normalize_prompt(prompt, self.config.text.max_prompt_chars)
+    def start(self, image, prompt: str, seed: int, **kwargs) -> RolloutState:
+        """A new world from raw input (a path, bytes, an array; any prompt text): parsed here, at this
+        boundary (lingbot_core/requests.py), then `start_request`."""
+        return self.start_request(parse_start(image, prompt, seed, self.config), **kwargs)
+
+    def start_request(self, request: StartRequest, conditions: ConditionCache | None = None,
+                      **kwargs) -> RolloutState:
+        """A new world from a parsed start, trusted as it is. conditions: share the picture's condition
+        stream through this cache."""
+        pixels = image_to_tensor(request.picture, self.config.height, self.config.width)  # fitted: no resample
         if conditions is not None:
             shared = conditions.stream_for(condition_pixels(self.vae, pixels))
             kwargs["condition"] = ConditionStream.reading(shared)
-        return new_rollout(self.config, self.vae, pixels, self.encode_prompt(text), text, seed, **kwargs)
+        return new_rollout(self.config, self.vae, pixels, self.encode_prompt(request.prompt), request.prompt,
+                           request.seed, **kwargs)
 
     def with_prompt(self, state: RolloutState, prompt: str) -> RolloutState:
         """A copy of `state` that uses a new prompt; `state` itself stays valid until a block commits.
@@ -99,16 +105,21 @@ class Pipeline:
         finally:
             release(pool, state)
 
-    def new_pool(self, num_pages: int | None = None) -> KVPagePool:
-        """A private page pool, sized for one rollout unless told otherwise."""
+    def new_pool(self, num_pages: int | None = None, allocator=None) -> KVPagePool:
+        """A page pool, sized for one rollout unless told otherwise; allocator: its owner's (default private)."""
         return KVPagePool(self.config, num_pages or KVPagePool.pages_per_rollout(self.config), self.dtype,
-                          self.device)
+                          self.device, allocator)
 
     def rollout(self, image, prompt: str, seed: int, controls: Iterable[BlockControl],
                 **kwargs) -> Iterator[BlockOutput]:
-        """Run a whole offline rollout on a private pool; blocks are yielded as they are made."""
+        """A whole offline rollout from raw input, parsed here (bad input raises now, not on the first block)."""
+        return self.rollout_request(parse_start(image, prompt, seed, self.config), controls, **kwargs)
+
+    def rollout_request(self, request: StartRequest, controls: Iterable[BlockControl],
+                        **kwargs) -> Iterator[BlockOutput]:
+        """Run a whole offline rollout of a parsed start on a private pool; blocks are yielded as they are made."""
         pool = self.new_pool()
-        state = self.start(image, prompt, seed, **kwargs)
+        state = self.start_request(request, **kwargs)
         try:
             for control in controls:
                 if control.prompt is not None:

@@ -132,13 +132,14 @@ def step_block(config: ModelConfig, transformer, vae, pool: KVPagePool, state: R
         mask = vae_stream.condition_mask(config, state.block_index, condition.device, condition.dtype)
         extra = torch.cat([mask, condition], dim=1).to(device=device, dtype=torch.float32)  # [1, mask + z, F, h, w]
 
-        # 3. Denoise: four forwards that read the cache and never write it.
+        # 3. Denoise: four forwards that read the block's context and never write it. The context is
+        #    gathered once here, into a fixed-size window, for these forwards and the commit.
         enter("denoise")
-        read_view = state.kv.view(pool, config, start_frame)
+        block_kv = state.kv.view(pool, config, start_frame)
 
         def velocity(x_t: torch.Tensor, timestep: float) -> torch.Tensor:
             return transformer(torch.cat([x_t, extra], dim=1), _timestep(timestep, device), state.text_kv, plucker,
-                               start_frame, cache=read_view)
+                               start_frame, cache=block_kv)
 
         generator = torch.Generator(device="cpu")
         generator.set_state(state.rng_state)
@@ -146,11 +147,12 @@ def step_block(config: ModelConfig, transformer, vae, pool: KVPagePool, state: R
                         config.latent_width)
         latents = sample_block(velocity, latent_shape, config.sampler, generator, device)
 
-        # 4. Commit forward at t=0 on the clean latents: writes this block's K/V into its reserved pages.
+        # 4. Commit forward at t=0 on the clean latents: the same context; writes this block's K/V into its
+        #    reserved pages. The gathered window is the transformer's working memory: it goes before decoding.
         enter("commit")
-        write_view = state.kv.view(pool, config, start_frame, write_pages=new_pages)
         transformer(torch.cat([latents, extra], dim=1), _timestep(0.0, device), state.text_kv, plucker, start_frame,
-                    cache=write_view)
+                    cache=block_kv.writing(new_pages))
+        del block_kv
 
         # 5. Streaming decode (pending decoder state).
         enter("decode")

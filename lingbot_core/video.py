@@ -1,10 +1,13 @@
-"""Frames to H.264 with PyAV: whole MP4 files and self-contained segments for streaming playback."""
+"""Frames to H.264 with PyAV: whole MP4 files, self-contained segments for streaming playback, and a
+stream's recording (its segments on disk, joined into one MP4 for the download, with their replay)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import av
 import numpy as np
@@ -45,13 +48,6 @@ class H264Writer:
         self._container.close()
 
 
-def write_mp4(path: str | Path, frames: np.ndarray, fps: int) -> None:
-    """Write [T, H, W, 3] uint8 frames as an H.264 MP4 at `fps`."""
-    writer = H264Writer(path, width=frames.shape[2], height=frames.shape[1], fps=fps)
-    writer.write(frames)
-    writer.close()
-
-
 def mp4_segment(frames: np.ndarray, fps: int) -> bytes:
     """One self-contained MP4 clip of these frames (what a streaming player appends)."""
     buffer = io.BytesIO()
@@ -67,3 +63,69 @@ def count_frames(path: str | Path) -> tuple[int, float]:
         stream = container.streams.video[0]
         count = sum(1 for _ in container.decode(stream))
         return count, float(stream.average_rate or 0)
+
+
+def concat_mp4(segments: list[Path], out_path: Path) -> None:
+    """Remux H.264 MP4 segments (same codec settings, no B-frames) into one file, end to end in time."""
+    with av.open(str(out_path), mode="w") as output:
+        out_stream, offset = None, 0
+        for segment in segments:
+            with av.open(str(segment)) as source:
+                stream = source.streams.video[0]
+                if out_stream is None:
+                    out_stream = output.add_stream_from_template(stream)
+                end = offset
+                for packet in source.demux(stream):
+                    if packet.dts is None:  # the demuxer's end-of-stream marker
+                        continue
+                    packet.pts += offset
+                    packet.dts += offset
+                    end = max(end, packet.pts + packet.duration)
+                    packet.stream = out_stream
+                    output.mux(packet)
+                offset = end
+
+
+class Recording:
+    """A stream's segments on disk, one folder per world, and the replay of exactly the blocks they show.
+
+    The replay is built from what the stream received (a world's header, then each block's entry), never
+    read from the session, so the download's video and replay always hold the same blocks.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.world = 0
+        self.segments: list[Path] = []
+        self.replay: Any = None  # the current world's replay (serving.session.Replay), if it has one
+
+    @property
+    def world_dir(self) -> Path:
+        return self.root / f"world-{self.world}"
+
+    def new_world(self, replay: Any = None) -> None:
+        """Start the next world's folder; `replay`: its replay header (copied; blocks are added by `add`)."""
+        self.world += 1
+        self.world_dir.mkdir(parents=True, exist_ok=True)
+        self.segments = []
+        self.replay = dataclasses.replace(replay, blocks=[]) if replay is not None else None
+
+    def add(self, frames: np.ndarray, fps: int, replay_entry: dict[str, Any] | None = None) -> Path:
+        """Encode [T, H, W, 3] uint8 frames as the next segment; the file appears whole or not at all."""
+        if self.world == 0:
+            self.new_world()
+        path = self.world_dir / f"block-{len(self.segments):06d}.mp4"
+        partial = path.with_suffix(".part")
+        partial.write_bytes(mp4_segment(frames, fps))
+        partial.replace(path)
+        self.segments.append(path)
+        if self.replay is not None and replay_entry is not None:
+            self.replay.blocks.append(replay_entry)
+        return path
+
+    def export_mp4(self, out_path: Path) -> int:
+        """Join this world's segments into one MP4 without re-encoding; returns the block count (0: none yet)."""
+        segments = list(self.segments)
+        if segments:
+            concat_mp4(segments, out_path)
+        return len(segments)

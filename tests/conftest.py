@@ -35,6 +35,19 @@ def tiny_pipeline() -> Pipeline:
     return Pipeline.from_parts(parts)
 
 
+@pytest.fixture(scope="module")
+def server(request, tmp_path_factory):
+    """app.py served on the tiny model for one test module, set up by the module's APP_SERVER: a dict of
+    EngineConfig ("engine"), StreamConfig ("stream") and build_demo keywords ("build"). Yields (url, engine,
+    DemoApp). Imported here, not at the top: only the app tests pay for Gradio."""
+    from app_driver import running_app
+
+    setup = request.module.APP_SERVER
+    with running_app(setup["engine"], setup["stream"], tmp_path_factory.mktemp(request.module.__name__),
+                     **setup.get("build", {})) as served:
+        yield served
+
+
 @pytest.fixture(scope="session")
 def start_image() -> np.ndarray:
     """A 40x70 RGB image (not the model's 32x64, so resize and crop run): gradients plus seeded noise."""

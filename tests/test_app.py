@@ -10,6 +10,7 @@ makes the same MP4 as the offline command's path, 12N - 3 frames for N events.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from app_driver import FOREST, ROOT, VILLAGE, running_app, stream_outputs, wait_until  # noqa: E402
+from app_driver import FOREST, ROOT, VILLAGE, stream_outputs, wait_until  # noqa: E402
 from gradio_client import Client, handle_file  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 from lingbot_core.events import read_events  # noqa: E402
@@ -29,19 +30,19 @@ from lingbot_core.generate import controls_from_events, write_rollout  # noqa: E
 from lingbot_core.image import fit_image, image_digest, load_image  # noqa: E402
 from lingbot_core.rollout import BlockControl  # noqa: E402
 from lingbot_core.serving.engine import EngineConfig  # noqa: E402
+from lingbot_core.events import EventError, KeyStateEvent, parse_actions  # noqa: E402
+from lingbot_core.requests import RequestError, parse_seed  # noqa: E402
+from lingbot_core.serving.engine import Block  # noqa: E402
 from lingbot_core.serving.streaming import (LiveService, PlaybackClock, StreamConfig, StreamError,  # noqa: E402
-                                            check_seed, parse_actions)
+                                            telemetry_line)
 from lingbot_core.video import count_frames, frames_to_uint8, mp4_segment  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:::gradio.queueing")  # pandas deprecations in Gradio's analytics
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    # lead_s large: the API tests take blocks as fast as they come (pacing is tested on its own and in the browser)
-    with running_app(EngineConfig(max_sessions=2, max_waiting=1, idle_ttl_s=120), StreamConfig(lead_s=1e6),
-                     tmp_path_factory.mktemp("app"), offline_max_blocks=16) as served:
-        yield served
+# lead_s large: the API tests take blocks as fast as they come (pacing is tested on its own and in the browser)
+APP_SERVER = dict(engine=EngineConfig(max_sessions=2, max_waiting=1, idle_ttl_s=120), stream=StreamConfig(lead_s=1e6),
+                  build=dict(offline_max_blocks=16))  # the `server` fixture (conftest.py)
 
 
 def decode(path: Path) -> np.ndarray:
@@ -322,10 +323,11 @@ def collect(service, image, *, viewer=None, after=None, limit=50):
 
 
 @pytest.mark.parametrize("exit_path", ["generator exit", "input idle", "tab closed", "stop"])
-def test_every_exit_closes_the_engine_session(server, tmp_path, exit_path):
+def test_every_exit_closes_the_engine_session(server, tmp_path, exit_path, monkeypatch):
     _, engine, _ = server
-    config = StreamConfig(lead_s=1e6, input_idle_s=0.6 if exit_path == "input idle" else 60)
-    service = LiveService(engine, tmp_path / "recordings", config)
+    if exit_path == "input idle":  # the engine's one idle policy (the app's --idle-ttl), made short here
+        monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, idle_ttl_s=0.6))
+    service = LiveService(engine, tmp_path / "recordings", StreamConfig(lead_s=1e6))
     seen = []
 
     def after(update, n):
@@ -379,6 +381,15 @@ def test_playback_clock_keeps_the_viewer_fed_but_not_far_ahead():
     assert clock.playhead(105.0) == pytest.approx(2.0625) and clock.wait_before_next(105.0, 0.3) == 0.0
 
 
+def test_the_telemetry_line_shows_the_key_to_frame_latency_of_a_block_that_applied_keys():
+    block = Block(4, np.zeros((12, 2, 2, 3), np.uint8), None, {}, 500.0, {"frames": [], "event_ids": [7]})
+    stats = {"active_sessions": 1, "capacity": 2}
+    line = telemetry_line(block, 12, 16, None, stats, key_ms=1234.4)
+    assert line == ("block 4 · 500 ms/block · 24.0 FPS generated (playback 16) · key → frame ≈ 1234 ms · "
+                    "1/2 sessions active")
+    assert "key" not in telemetry_line(block, 12, 16, None, stats)
+
+
 def test_playhead_reports_are_checked(server, tmp_path):
     _, engine, _ = server
     service = LiveService(engine, tmp_path / "recordings")
@@ -393,13 +404,14 @@ def test_playhead_reports_are_checked(server, tmp_path):
 
 
 def test_action_and_seed_parsing():
-    assert parse_actions('{"event_id": 1, "keys": ["w"]}') == [{"event_id": 1, "keys": ["w"]}]
-    assert parse_actions([{"event_id": 1, "keys": []}]) == [{"event_id": 1, "keys": []}]
-    assert parse_actions("  ") == []
-    for bad, message in [("[1]", "JSON object"), ("{", "not valid JSON"), (json.dumps([{}] * 65), "at most 64")]:
-        with pytest.raises(StreamError, match=message):
-            parse_actions(bad)
-    assert check_seed(None) == 0 and check_seed(12.0) == 12 and check_seed("7") == 7
+    assert parse_actions('{"event_id": 1, "keys": ["w"]}', 3) == [KeyStateEvent(1, frozenset({"w"}))]
+    assert parse_actions([{"event_id": 1, "keys": []}], 3) == [KeyStateEvent(1, frozenset())]
+    assert parse_actions("  ", 3) == []
+    for bad, message in [("[1]", "JSON object"), ("{", "not valid JSON"), (json.dumps([{}] * 65), "at most 64"),
+                         ('[{"event_id": 1, "keys": ["w"]}, {"event_id": 2, "keys": ["q"]}]', "unknown key")]:
+        with pytest.raises(EventError, match=message):
+            parse_actions(bad, 3)
+    assert parse_seed(None) == 0 and parse_seed(12.0) == 12 and parse_seed("7") == 7
     for bad in (-1, 1.5, "x", 2**63):
-        with pytest.raises(StreamError, match="seed"):
-            check_seed(bad)
+        with pytest.raises(RequestError, match="seed"):
+            parse_seed(bad)

@@ -27,7 +27,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import app as lingbot_app  # noqa: E402
-from app_driver import FOREST, ROOT, running_app, stream_outputs  # noqa: E402
+from app_driver import FOREST, ROOT, stream_outputs  # noqa: E402
 from gradio_client import Client, handle_file  # noqa: E402
 from lingbot_core.config import EMBEDDED, LINGBOT_WORLD_V2_14B, tiny_config  # noqa: E402
 from lingbot_core.model import camera  # noqa: E402
@@ -45,11 +45,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:::gradio.queueing")
 PSNR_TEXT = re.compile(r"ground truth PSNR (\S+) dB \(block (\d+)\)")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_app(EngineConfig(max_sessions=2, idle_ttl_s=120), StreamConfig(lead_s=1e6),
-                     tmp_path_factory.mktemp("app-world")) as served:
-        yield served
+APP_SERVER = dict(engine=EngineConfig(max_sessions=2, idle_ttl_s=120), stream=StreamConfig(lead_s=1e6))  # conftest
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,16 +25,20 @@ from lingbot_core.events import EventError, read_events
 from lingbot_core.generate import controls_from_events
 from lingbot_core.loading import build_seeded_parts
 from lingbot_core.pipeline import Pipeline
+from lingbot_core.requests import StartRequest, parse_start
 from lingbot_core.serving.engine import (
     Admission,
     AdmissionRefused,
-    BlockMessage,
+    Block,
+    Closed,
     Engine,
     EngineConfig,
-    ErrorMessage,
+    Failed,
+    NewWorld,
     UnknownSession,
 )
-from lingbot_core.serving.session import Replay, Session, held_bytes
+from lingbot_core.serving.memory import held_bytes
+from lingbot_core.serving.session import Replay, Session
 from lingbot_core.video import count_frames, frames_to_uint8
 
 SLIM_VAE = dict(WAN21_VAE, base_dim=4, num_res_blocks=1)
@@ -84,10 +88,23 @@ def _engine(pipe, clock, **config) -> Engine:
     return Engine(pipe, EngineConfig(**config), clock=clock, start_worker=False)
 
 
+def _request(image, prompt: str, seed: int, config=CONFIG) -> StartRequest:
+    return parse_start(image, prompt, seed, config)  # what the app's boundary hands the engine
+
+
 def _admit(engine: Engine, image, seed: int = 0, prompt: str = PROMPT) -> str:
-    ticket = engine.admit(image, prompt, seed)
+    ticket = engine.admit(_request(image, prompt, seed, engine.pipeline.config))
     assert ticket.admission is Admission.ADMITTED
     return ticket.session_id
+
+
+def _take(engine: Engine, session_id: str, timeout: float = 0):
+    """The session's next message past any NewWorld (every outbox starts with one; see
+    test_the_outbox_tells_each_world_and_its_blocks_and_builds_the_replay)."""
+    message = engine.next_message(session_id, timeout=timeout)
+    while isinstance(message, NewWorld):
+        message = engine.next_message(session_id, timeout=timeout)
+    return message
 
 
 def _counting_steps(monkeypatch, pipe) -> list:
@@ -134,24 +151,24 @@ def test_admission_by_bytes_waits_in_line_then_refuses(pipe, image, clock):
                      evictable_after_s=1000)
     assert engine.capacity == 2
     first, second = _admit(engine, image), _admit(engine, image)
-    t1 = engine.admit(image, PROMPT, 0)
-    t2 = engine.admit(image, PROMPT, 0)
+    t1 = engine.admit(_request(image, PROMPT, 0))
+    t2 = engine.admit(_request(image, PROMPT, 0))
     assert (t1.admission, t1.position, t2.position) == (Admission.WAITING, 1, 2)
     with pytest.raises(AdmissionRefused, match="server is full"):
-        engine.admit(image, PROMPT, 0)
+        engine.admit(_request(image, PROMPT, 0))
     assert engine.stats()["waiting"] == 2
 
     engine.close(first)
     # The second in line may not jump ahead of the first.
-    assert engine.admit(image, PROMPT, 0, ticket_id=t2.ticket_id).position == 1 + 1
-    admitted = engine.admit(image, PROMPT, 0, ticket_id=t1.ticket_id)
+    assert engine.admit(_request(image, PROMPT, 0), ticket_id=t2.ticket_id).position == 1 + 1
+    admitted = engine.admit(_request(image, PROMPT, 0), ticket_id=t1.ticket_id)
     assert admitted.admission is Admission.ADMITTED
     # The first ticket is gone; the second is now first, but there is no room.
-    assert engine.admit(image, PROMPT, 0, ticket_id=t2.ticket_id).position == 1
+    assert engine.admit(_request(image, PROMPT, 0), ticket_id=t2.ticket_id).position == 1
     # A ticket not polled for ticket_ttl_s leaves the line; polling it again joins at the back.
     clock.now += 31
-    assert engine.admit(image, PROMPT, 0).position == 1
-    assert engine.admit(image, PROMPT, 0, ticket_id=t2.ticket_id).position == 2
+    assert engine.admit(_request(image, PROMPT, 0)).position == 1
+    assert engine.admit(_request(image, PROMPT, 0), ticket_id=t2.ticket_id).position == 2
     engine.shutdown()
     assert engine.pool.allocator.num_in_use == 0 and second not in engine.session_ids()
 
@@ -174,7 +191,7 @@ def _run_blocks(engine, session_id, blocks: int) -> list[torch.Tensor]:
         ran = engine.run_once()
         assert ran is not None
         if ran == session_id:
-            latents.append(engine.next_message(session_id, timeout=0).latents)
+            latents.append(_take(engine, session_id).latents)
     return latents
 
 
@@ -216,13 +233,13 @@ def test_a_shared_condition_stream_gives_exactly_the_blocks_of_a_private_one(pip
     for _ in range(9):  # round-robin: the sessions alternate, one extends the stream, the other reads it
         for _ in ids:
             session_id = engine.run_once()
-            shared[session_id].append(engine.next_message(session_id, timeout=0).latents)
+            shared[session_id].append(_take(engine, session_id).latents)
     assert engine._sessions[ids[0]].session.rollout.condition.shared is \
         engine._sessions[ids[1]].session.rollout.condition.shared
     engine.shutdown()
     for session_id, seed in zip(ids, (3, 4)):
         pool = pipe.new_pool()
-        private = Session("private", pipe, pool, image, PROMPT, seed)
+        private = Session("private", pipe, pool, _request(image, PROMPT, seed))
         assert private.rollout.condition.shared is None
         for block, latents in enumerate(shared[session_id]):
             assert torch.equal(private.step().latents, latents), (seed, block)
@@ -246,7 +263,7 @@ def test_accounted_bytes_match_live_tensors_and_stay_under_the_charge(pipe, imag
         assert engine.run_once() is not None
     assert engine.run_once() is None
     for _ in range(2):
-        assert isinstance(engine.next_message(ids[0], timeout=0), BlockMessage)
+        assert isinstance(_take(engine, ids[0]), Block)
     engine.run_once()  # ids[0] one block further: outboxes hold 1, 2 and 2 blocks
 
     page_bytes = engine.footprint.page_bytes
@@ -278,7 +295,7 @@ def test_round_robin_at_block_boundaries_and_no_compute_for_idle_viewers(pipe, i
     for _ in range(9):  # every consumer takes each block at once: strict rotation
         session_id = engine.run_once()
         order.append(ids.index(session_id))
-        assert isinstance(engine.next_message(session_id, timeout=0), BlockMessage)
+        assert isinstance(_take(engine, session_id), Block)
     assert order == [0, 1, 2] * 3
     assert [engine.session_status(s)["block_index"] for s in ids] == [3, 3, 3]
 
@@ -292,7 +309,7 @@ def test_round_robin_at_block_boundaries_and_no_compute_for_idle_viewers(pipe, i
     assert [engine.session_status(s)["block_index"] for s in ids] == [4, 4, 4]
 
     # One viewer takes its block: only that session runs again.
-    assert engine.next_message(ids[1], timeout=0).block_index == 3
+    assert _take(engine, ids[1]).block_index == 3
     assert engine.run_once() == ids[1] and engine.run_once() is None
     assert calls[before:] == ["world 1"]
     engine.shutdown()
@@ -302,8 +319,29 @@ def test_lead_lets_a_session_run_ahead_by_that_many_blocks(pipe, image, clock):
     engine = _engine(pipe, clock, max_sessions=1, max_lead_blocks=3)
     session_id = _admit(engine, image)
     assert [engine.run_once() for _ in range(4)] == [session_id] * 3 + [None]
-    assert [engine.next_message(session_id, timeout=0).block_index for _ in range(3)] == [0, 1, 2]
-    assert engine.next_message(session_id, timeout=0) is None
+    assert [_take(engine, session_id).block_index for _ in range(3)] == [0, 1, 2]
+    assert _take(engine, session_id) is None
+    engine.shutdown()
+
+
+def test_a_paced_session_starts_each_block_just_in_time_with_the_input_until_then(pipe, image, clock):
+    engine = _engine(pipe, clock, max_sessions=1)
+    session_id = _admit(engine, image)
+    assert engine.run_once() == session_id  # not paced yet: as soon as the outbox has room
+    assert _take(engine, session_id).block_index == 0
+    engine.pace(session_id, 2.0)
+    assert engine.run_once() is None  # not before its start time
+    clock.now += 1.0
+    engine.post_event(session_id, {"event_id": 1, "keys": ["w"]})  # pressed while the block had not started
+    assert engine.run_once() is None
+    clock.now += 1.0
+    assert engine.run_once() == session_id
+    block = _take(engine, session_id)
+    assert (block.block_index, block.event_ids) == (1, (1,))
+    clock.now += 100.0
+    assert engine.run_once() is None  # a taken block holds the next one until its consumer paces again
+    engine.pace(session_id, -0.5)  # late already: at once
+    assert engine.run_once() == session_id
     engine.shutdown()
 
 
@@ -313,10 +351,10 @@ def test_input_applies_at_the_next_block_boundary(pipe, image, clock):
     engine.post_event(session_id, {"event_id": 3, "keys": ["w"]})
     engine.post_event(session_id, {"event_id": 4, "frames": [["l"], ["l"], []]})
     engine.run_once()
-    first = engine.next_message(session_id, timeout=0)
+    first = _take(engine, session_id)
     assert first.event_ids == (3, 4)
     engine.run_once()
-    assert engine.next_message(session_id, timeout=0).event_ids == ()
+    assert _take(engine, session_id).event_ids == ()
     with pytest.raises(EventError, match="stale"):
         engine.post_event(session_id, {"event_id": 4, "keys": []})
     frames = [b["frames"] for b in engine.replay(session_id).blocks]
@@ -328,7 +366,7 @@ def test_a_failed_block_is_reported_and_retried_only_after_new_input(pipe, image
     engine = _engine(pipe, clock, max_sessions=1)
     session_id = _admit(engine, image)
     engine.run_once()
-    engine.next_message(session_id, timeout=0)
+    _take(engine, session_id)
     step = Pipeline.step
 
     def failing(self, pool, state, control, on_stage=None):
@@ -340,8 +378,8 @@ def test_a_failed_block_is_reported_and_retried_only_after_new_input(pipe, image
     monkeypatch.setattr(Pipeline, "step", failing)
     pages = engine.pool.allocator.num_in_use
     assert engine.run_once() == session_id
-    error = engine.next_message(session_id, timeout=0)
-    assert isinstance(error, ErrorMessage) and not error.fatal and "device lost" in error.text
+    error = _take(engine, session_id)
+    assert isinstance(error, Failed) and error.waiting_for_input and "device lost" in error.text
     status = engine.session_status(session_id)
     assert (status["status"], status["block_index"], status["waiting_for_input"]) == ("failed", 1, True)
     assert engine.pool.allocator.num_in_use == pages
@@ -349,7 +387,7 @@ def test_a_failed_block_is_reported_and_retried_only_after_new_input(pipe, image
     monkeypatch.setattr(Pipeline, "step", step)
     engine.post_event(session_id, {"event_id": 0, "keys": ["s"]})
     assert engine.run_once() == session_id
-    message = engine.next_message(session_id, timeout=0)
+    message = _take(engine, session_id)
     assert message.block_index == 1 and message.event_ids == (0,)
     assert engine.session_status(session_id)["status"] == "active"
     engine.shutdown()
@@ -360,23 +398,27 @@ def test_a_failed_block_is_reported_and_retried_only_after_new_input(pipe, image
 
 
 def test_idle_ttl_closes_a_session_and_tells_its_consumer(pipe, image, clock):
+    """The one idle policy: no input for idle_ttl_s closes a session, even one whose consumer watches."""
     engine = _engine(pipe, clock, max_sessions=2, idle_ttl_s=60)
-    watched, idle = _admit(engine, image), _admit(engine, image)
-    for _ in range(4):
-        clock.now += 25  # the watched session is consumed regularly; the idle one is not
+    played, idle = _admit(engine, image), _admit(engine, image)
+    for event_id in range(4):
+        clock.now += 25  # both are watched; only `played` gets input
+        engine.post_event(played, {"event_id": event_id, "keys": ["w"]})
         engine.run_once()
-        engine.next_message(watched, timeout=0)
-    assert engine.session_ids() == [watched]
-    message = engine.next_message(idle, timeout=0)
-    assert isinstance(message, ErrorMessage) and message.fatal and "no input and no viewer" in message.text
-    assert engine.session_status(idle) == {"status": "closed", "closed_reason": message.text[len("session closed: "):]}
+        _take(engine, played)
+        _take(engine, idle)
+    assert engine.session_ids() == [played]
+    message = _take(engine, idle)
+    assert message == Closed("no input for 60 s", idle=True)
+    assert engine.next_message(idle, timeout=0) == message  # and so on, while the engine remembers it
+    assert engine.session_status(idle) == {"status": "closed", "closed_reason": message.reason}
     with pytest.raises(UnknownSession, match="closed: no input"):
         engine.post_event(idle, {"event_id": 0, "keys": []})
     with pytest.raises(UnknownSession, match="never existed"):
         engine.next_message("nope", timeout=0)
-    engine.close(watched, "consumer disconnected")
+    engine.close(played, "consumer disconnected")
     assert engine.pool.allocator.num_in_use == 0 and engine.accounted_bytes() == engine.conditions.nbytes() <= engine.conditions.max_bytes
-    assert "consumer disconnected" in engine.next_message(watched, timeout=0).text
+    assert _take(engine, played) == Closed("consumer disconnected")
     engine.shutdown()
 
 
@@ -387,13 +429,13 @@ def test_lru_idle_session_is_evicted_for_a_newcomer(pipe, image, clock):
         engine.run_once()
     clock.now += 5
     engine.post_event(recent, {"event_id": 0, "keys": ["w"]})
-    ticket = engine.admit(image, PROMPT, 1)
+    ticket = engine.admit(_request(image, PROMPT, 1))
     assert ticket.admission is Admission.WAITING  # nobody idle long enough yet
     clock.now += 6  # old idle 11 s, recent 6 s
-    newcomer = engine.admit(image, PROMPT, 1, ticket_id=ticket.ticket_id)
+    newcomer = engine.admit(_request(image, PROMPT, 1), ticket_id=ticket.ticket_id)
     assert newcomer.admission is Admission.ADMITTED
     assert set(engine.session_ids()) == {recent, newcomer.session_id}
-    assert "evicted" in engine.next_message(old, timeout=0).text
+    assert "evicted" in _take(engine, old).reason
     window = CONFIG.transformer.sliding_window_num_frames - BLOCK
     assert engine.pool.allocator.num_in_use == BLOCK  # only `recent`'s block 0 pages remain
     assert engine.pool.allocator.num_pages == 2 * window + BLOCK
@@ -408,17 +450,52 @@ def test_reset_drops_the_old_world_and_keeps_event_ids_monotonic(pipe, image, cl
     for _ in range(2):
         engine.run_once()
     engine.post_event(session_id, {"event_id": 6, "keys": ["a"]})
-    engine.reset(session_id, np.flipud(image).copy(), "a new world", 9)
-    assert engine.next_message(session_id, timeout=0) is None  # old blocks dropped
+    engine.reset(session_id, _request(np.flipud(image).copy(), "a new world", 9))
+    world = engine.next_message(session_id, timeout=0)  # old blocks dropped: the new world comes next
+    assert isinstance(world, NewWorld) and (world.replay.seed, world.replay.blocks) == (9, [])
+    assert engine.next_message(session_id, timeout=0) is None
     assert engine.pool.allocator.num_in_use == 0
     with pytest.raises(EventError, match="stale"):
         engine.post_event(session_id, {"event_id": 6, "keys": []})
     engine.post_event(session_id, {"event_id": 7, "keys": ["d"]})
     engine.run_once()
-    message = engine.next_message(session_id, timeout=0)
+    message = _take(engine, session_id)
     assert (message.block_index, message.event_ids) == (0, (7,))
     replay = engine.replay(session_id)
     assert (replay.seed, replay.prompt, len(replay.blocks)) == (9, "a new world", 1)
+    engine.shutdown()
+
+
+def test_the_outbox_tells_each_world_and_its_blocks_and_builds_the_replay(pipe, image, clock):
+    """A consumer that keeps only what it drains (a NewWorld's header, each Block's replay entry) holds the
+    session's replay exactly, across a reset, without ever reading the session."""
+    engine = _engine(pipe, clock, max_sessions=1, max_lead_blocks=2)
+    session_id = _admit(engine, image, seed=2)
+    built = []
+
+    def drain():
+        while (message := engine.next_message(session_id, timeout=0)) is not None:
+            if isinstance(message, NewWorld):
+                built.append(dataclasses.replace(message.replay, blocks=[]))
+            else:
+                assert isinstance(message, Block)
+                built[-1].blocks.append(message.replay_entry)
+
+    engine.post_event(session_id, {"event_id": 1, "keys": ["w"]})
+    for _ in range(3):
+        engine.run_once()
+        drain()
+    assert len(built) == 1 and built[0] == engine.replay(session_id) and len(built[0].blocks) == 3
+    engine.post_event(session_id, {"event_id": 2, "frames": [["l"], [], []], "prompt": "a new prompt"})
+    engine.run_once()  # left in the outbox: the reset drops it
+    engine.reset(session_id, _request(image, "another world", 3))
+    engine.run_once()
+    drain()
+    assert len(built) == 2 and built[1] == engine.replay(session_id)
+    assert (built[1].seed, built[1].prompt, len(built[1].blocks)) == (3, "another world", 1)
+    entry = engine.replay(session_id).blocks[0]
+    entry["frames"].append("changed")  # a copy: the session's log is its own
+    assert engine.replay(session_id).blocks[0] != entry
     engine.shutdown()
 
 
@@ -445,28 +522,28 @@ def test_a_thousand_sessions_through_every_exit_leave_an_empty_pool_and_flat_rss
         return step(self, pool, state, control, on_stage)
 
     monkeypatch.setattr(Pipeline, "step", maybe_failing)
-    replays, rss = [], []
+    sessions, rss = [], []
     for cycle in range(1000):
         if cycle == 100:
             gc.collect()
             rss.append(_rss_bytes())
         session_id = _admit(engine, image, seed=cycle)
-        replays.append(weakref.ref(engine.replay(session_id)))
+        sessions.append(weakref.ref(engine._sessions[session_id].session))
         engine.post_event(session_id, {"event_id": 0, "keys": ["w"]})
         assert engine.run_once() == session_id
         path = cycle % 6
         if path == 0:  # watched, then closed by the user
-            engine.next_message(session_id, timeout=0)
+            _take(engine, session_id)
             engine.close(session_id)
         elif path == 1:  # reset into a new world, one more block, then the consumer disconnects
-            engine.reset(session_id, image, "another world", cycle)
+            engine.reset(session_id, _request(image, "another world", cycle, MICRO))
             engine.run_once()
             engine.close(session_id, "consumer disconnected")
         elif path == 2:  # nobody watches: the idle TTL closes it
             clock.now += 61
             assert engine.run_once() is None
         elif path == 3:  # a failed block, then a good one, then closed
-            engine.next_message(session_id, timeout=0)
+            _take(engine, session_id)
             fail_next.append(True)
             engine.run_once()
             engine.post_event(session_id, {"event_id": 1, "keys": []})
@@ -480,7 +557,7 @@ def test_a_thousand_sessions_through_every_exit_leave_an_empty_pool_and_flat_rss
                 engine.run_once()
                 engine.close(other)
         else:  # the server shuts its sessions down at the end of a run of blocks
-            engine.next_message(session_id, timeout=0)
+            _take(engine, session_id)
             for _ in range(2):
                 engine.run_once()
             engine.close(session_id, "server shutting down")
@@ -488,7 +565,7 @@ def test_a_thousand_sessions_through_every_exit_leave_an_empty_pool_and_flat_rss
         assert engine.session_ids() == [] and engine.accounted_bytes() == engine.conditions.nbytes() <= engine.conditions.max_bytes
     gc.collect()
     rss.append(_rss_bytes())
-    alive = [cycle for cycle, ref in enumerate(replays) if ref() is not None]
+    alive = [cycle for cycle, ref in enumerate(sessions) if ref() is not None]
     assert not alive, f"closed sessions of cycles {alive[:12]} are still referenced"
     assert engine.pool.allocator.num_free == engine.pool.allocator.num_pages
     assert rss[1] - rss[0] < 24 * 2**20, f"RSS grew by {(rss[1] - rss[0]) / 2**20:.1f} MiB over 900 cycles"
@@ -507,8 +584,8 @@ def test_worker_thread_stream_equals_the_offline_command(pipe, image):
         latents = []
         for event_id, keys in enumerate((["w"], ["w", "l"], [], ["i"])):
             engine.post_event(session_id, {"event_id": event_id, "keys": keys})
-            message = engine.next_message(session_id, timeout=120)
-            assert isinstance(message, BlockMessage), message
+            message = _take(engine, session_id, timeout=120)
+            assert isinstance(message, Block), message
             latents.append(message.latents)
         replay = engine.replay(session_id)
         blocks = len(replay.blocks)
@@ -526,7 +603,7 @@ def test_all_model_work_runs_on_the_one_worker_thread(pipe, image, monkeypatch):
     """Loading, the footprint probe, admission, blocks, reset and close all run on the worker, the one thread
     that runs kernels (see engine.py), and an error raised there reaches the thread that asked."""
     seen = []
-    for name in ("start", "step", "new_pool"):
+    for name in ("start_request", "step", "new_pool"):
         original = getattr(Pipeline, name)
 
         def recorded(self, *args, _original=original, _name=name, **kwargs):
@@ -542,17 +619,17 @@ def test_all_model_work_runs_on_the_one_worker_thread(pipe, image, monkeypatch):
     with Engine(loader, EngineConfig(memory_budget_bytes=BIG, max_sessions=1)) as engine:
         session_id = _admit(engine, image)
         engine.post_event(session_id, {"event_id": 0, "keys": ["w"]})
-        message = engine.next_message(session_id, timeout=120)
-        assert isinstance(message, BlockMessage), message
+        message = _take(engine, session_id, timeout=120)
+        assert isinstance(message, Block), message
         assert message.pixels.dtype == np.uint8
         first_block_frames = CONFIG.pixel_frames_per_block - (CONFIG.vae_temporal_factor - 1)  # frame 0 decodes to 1
         assert message.pixels.shape == (first_block_frames, CONFIG.height, CONFIG.width, 3)
-        engine.reset(session_id, image, "a harbour at night", 1)
+        engine.reset(session_id, _request(image, "a harbour at night", 1))
         with pytest.raises(UnknownSession):
-            engine.reset("no-such-session", image, PROMPT, 0)  # raised on the worker, re-raised here
+            engine.reset("no-such-session", _request(image, PROMPT, 0))  # raised on the worker, re-raised here
         engine.close(session_id)
         assert engine.pool.allocator.num_in_use == 0
-    assert {what for what, _ in seen} == {"load", "start", "step", "new_pool"}
+    assert {what for what, _ in seen} == {"load", "start_request", "step", "new_pool"}
     assert {thread for _, thread in seen} == {"lingbot-engine"}, seen
 
 

@@ -27,7 +27,6 @@ from lingbot_core.example_folder import (  # noqa: E402
 from lingbot_core.serving.engine import EngineConfig  # noqa: E402
 from lingbot_core.serving.streaming import StreamConfig  # noqa: E402
 from lingbot_core.video import count_frames  # noqa: E402
-from tests.app_driver import running_app  # noqa: E402
 from tests.test_generate import official_example_folder  # noqa: E402
 
 FOREST = Path(__file__).resolve().parent.parent / "examples" / "forest.png"
@@ -116,16 +115,13 @@ def test_not_a_folder(tmp_path):
 
 # ---- the app's offline tab ------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_app(EngineConfig(max_sessions=1), StreamConfig(lead_s=1e6), tmp_path_factory.mktemp("app"),
-                     offline_max_blocks=2) as (url, engine, _):
-        yield url, engine
+APP_SERVER = dict(engine=EngineConfig(max_sessions=1), stream=StreamConfig(lead_s=1e6),
+                  build=dict(offline_max_blocks=2))  # the `server` fixture (conftest.py)
 
 
 def test_the_app_takes_an_official_example_dropped_whole(server, example, tmp_path):
     """961 frames: more than this server's 2-block limit, so it is cut to 2 blocks (21 frames), and says so."""
-    url, engine = server
+    url, engine, _ = server
     client = Client(url, verbose=False, download_files=False)
     files = [handle_file(str(p)) for p in sorted(example.iterdir())]
     video, message = client.predict(handle_file(str(FOREST)), "a prompt the folder replaces", 0, "", None, None,

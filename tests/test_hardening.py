@@ -27,14 +27,15 @@ from PIL import Image, ImageFile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from app_driver import FOREST, ROOT, VILLAGE, Viewer, free_port, running_app, wait_until  # noqa: E402
+from app_driver import FOREST, ROOT, VILLAGE, Viewer, free_port, wait_until  # noqa: E402
 from gradio_client import Client, handle_file  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
-from lingbot_core.events import EventError, parse_event_line  # noqa: E402
+from lingbot_core.events import EventError, parse_actions, parse_event_line  # noqa: E402
 from lingbot_core.image import MAX_ASPECT_RATIO, MAX_IMAGE_PIXELS, ImageError, fit_image, load_image  # noqa: E402
 from lingbot_core.model.camera import TrajectoryError, validate_trajectory  # noqa: E402
-from lingbot_core.serving.engine import Engine, EngineConfig, ErrorMessage  # noqa: E402
-from lingbot_core.serving.streaming import StreamConfig, StreamError, check_seed, check_start, parse_actions  # noqa: E402
+from lingbot_core.serving.engine import Engine, EngineConfig, Failed, NewWorld  # noqa: E402
+from lingbot_core.requests import RequestError, parse_seed, parse_start  # noqa: E402
+from lingbot_core.serving.streaming import StreamConfig, StreamError  # noqa: E402
 from lingbot_core.user_text import quote  # noqa: E402
 from lingbot_core.workdir import PREFIX, WorkFolder, remove_stale  # noqa: E402
 
@@ -44,14 +45,11 @@ ATTACKER = "127.0.0.2"  # another client address on the loopback (the server lis
 UNREAD_S = 3.0
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """Two seats and eight places in line; an address may hold two streams; unread streams end after 3 s."""
-    stream_config = StreamConfig(unread_timeout_s=UNREAD_S, max_streams_per_address=2, keep_ended_stream_s=0.5,
-                                 input_idle_s=1800)  # the healthy viewer lives through the slowest test
-    with running_app(EngineConfig(max_sessions=2, max_waiting=8, idle_ttl_s=1800), stream_config,
-                     tmp_path_factory.mktemp("app"), offline_max_blocks=4) as served:
-        yield served
+# The `server` fixture (conftest.py): two seats and eight places in line; an address may hold two streams;
+# unread streams end after 3 s; idle_ttl_s: the healthy viewer lives through the slowest test.
+APP_SERVER = dict(engine=EngineConfig(max_sessions=2, max_waiting=8, idle_ttl_s=1800),
+                  stream=StreamConfig(unread_timeout_s=UNREAD_S, max_streams_per_address=2, keep_ended_stream_s=0.5),
+                  build=dict(offline_max_blocks=4))
 
 
 @pytest.fixture
@@ -207,8 +205,8 @@ def test_a_prompt_that_is_not_unicode_text_is_refused_at_the_boundary(server, he
     assert healthy.act(2, ["w"]) == "queued 1 event(s)"
     healthy.wait_for_blocks(3)
     assert engine.session_status(healthy.session_id)["status"] == "active"
-    with pytest.raises(StreamError, match="not valid Unicode text"):
-        check_start(FOREST, "a\ud800b", 0, engine.pipeline.config)
+    with pytest.raises(ValueError, match="not valid Unicode text"):
+        parse_start(FOREST, "a\ud800b", 0, engine.pipeline.config)
 
 
 def _poison_prompt_switches(pipeline, monkeypatch) -> None:
@@ -251,8 +249,8 @@ def test_engine_drops_the_failing_events_and_runs_on_without_new_input(tiny_pipe
     other session is untouched, and the dropped event never reaches the replay."""
     engine = Engine(tiny_pipeline, EngineConfig(memory_budget_bytes=1 << 32, max_sessions=2), start_worker=False)
     try:
-        victim = engine.admit(start_image, "a forest", 0).session_id
-        other = engine.admit(start_image, "a forest", 1).session_id
+        victim = engine.admit(parse_start(start_image, "a forest", 0, tiny_pipeline.config)).session_id
+        other = engine.admit(parse_start(start_image, "a forest", 1, tiny_pipeline.config)).session_id
         _poison_prompt_switches(tiny_pipeline, monkeypatch)
         engine.post_event(victim, {"event_id": 1, "keys": ["w"], "prompt": "poison"})
         received = {victim: [], other: []}
@@ -260,10 +258,10 @@ def test_engine_drops_the_failing_events_and_runs_on_without_new_input(tiny_pipe
             engine.run_once()
             for session_id, messages in received.items():
                 message = engine.next_message(session_id, timeout=0)
-                if message is not None:
+                if message is not None and not isinstance(message, NewWorld):
                     messages.append(message)
         error, *blocks = received[victim]
-        assert isinstance(error, ErrorMessage) and not error.fatal and not error.waiting_for_input
+        assert isinstance(error, Failed) and not error.waiting_for_input
         assert error.text == "event 1 could not be applied and was dropped: RuntimeError: this prompt cannot be applied"
         assert [b.block_index for b in blocks] == [0, 1, 2] and all(b.event_ids == () for b in blocks)
         assert [b.block_index for b in received[other]] == [0, 1, 2, 3]
@@ -306,11 +304,12 @@ def test_pictures_are_decoded_after_the_claim_and_a_few_at_a_time(tiny_pipeline,
     refused before its picture is decoded, and at most `decode_slots` pictures are decoded together."""
     import asyncio
 
+    from lingbot_core import requests
     from lingbot_core.serving import streaming
 
     active, peak, calls = [0], [0], []
     lock = threading.Lock()
-    real_check = streaming.check_start
+    real_check = requests.parse_start
 
     def slow_check(image, prompt, seed, config):
         with lock:
@@ -324,7 +323,7 @@ def test_pictures_are_decoded_after_the_claim_and_a_few_at_a_time(tiny_pipeline,
             with lock:
                 active[0] -= 1
 
-    monkeypatch.setattr(streaming, "check_start", slow_check)
+    monkeypatch.setattr(requests, "parse_start", slow_check)
     engine = Engine(tiny_pipeline, EngineConfig(memory_budget_bytes=1 << 32, max_sessions=1, max_waiting=8),
                     start_worker=False)
     service = streaming.LiveService(engine, tmp_path / "recordings", StreamConfig(decode_slots=2))
@@ -469,11 +468,11 @@ def test_messages_quote_values_briefly_and_name_the_problem():
     assert len(quote("y" * 10_000_000)) < 200 and "10000000 characters" in quote("y" * 10_000_000)
     assert len(quote([["z" * 5000] * 5000] * 5000)) < 200
     for bad in (1.5, "1.5", float("nan"), float("inf"), True, -1, 2**63):
-        with pytest.raises(StreamError, match="whole number"):
-            check_seed(bad)
-    assert check_seed(2**62 + 1) == 2**62 + 1  # exact: not through a float
-    with pytest.raises(StreamError, match="nested too deeply"):
-        parse_actions("[" * 50_000)
+        with pytest.raises(RequestError, match="whole number"):
+            parse_seed(bad)
+    assert parse_seed(2**62 + 1) == 2**62 + 1  # exact: not through a float
+    with pytest.raises(EventError, match="nested too deeply"):
+        parse_actions("[" * 50_000, 3)
     with pytest.raises(EventError, match="too many digits"):
         parse_event_line('{"event_id": 1' + "0" * 5000 + ', "keys": []}', 3)
     with pytest.raises(EventError, match="not valid Unicode text"):
@@ -612,9 +611,11 @@ def test_offline_outputs_do_not_pile_up_or_leak_descriptors(tiny_pipeline, start
     picture = tmp_path / "start.png"
     Image.fromarray(start_image).save(picture)
     script = json.dumps({"event_id": 1, "keys": ["w"]})
+    engine = Engine(tiny_pipeline, EngineConfig(memory_budget_bytes=1 << 32, max_sessions=1), start_worker=False)
     descriptors = len(os.listdir("/proc/self/fd"))
-    outputs = [lingbot_app.generate_offline(tiny_pipeline, str(picture), "a forest", 0, script, None, None, None,
+    outputs = [lingbot_app.generate_offline(engine, str(picture), "a forest", 0, script, None, None, None,
                                             out_dir, tmp_path, max_blocks=2)[0] for _ in range(3)]
+    engine.shutdown()
     assert len(os.listdir("/proc/self/fd")) == descriptors
     assert not stale.exists() and recent.exists()
     assert all(Path(out).stat().st_size > 0 for out in outputs)

@@ -3,13 +3,14 @@
 import pytest
 
 from lingbot_core.events import EventError, KeyStateEvent, ScriptEvent, parse_event, parse_event_line, read_events
-from lingbot_core.serving.pages import PageAllocator, PageError
+from lingbot_core.pages import PageAllocator, PageError
 
 
 def test_allocator_running_out_is_a_value_and_takes_nothing():
     pages = PageAllocator(5)
     first = pages.allocate(3)
     assert sorted(first) == [0, 1, 2] and pages.num_free == 2
+    assert pages.can_allocate(2) and not pages.can_allocate(3)
     assert pages.allocate(3) is None and pages.num_free == 2
     pages.free(first)
     assert pages.num_free == 5 and pages.num_in_use == 0 and pages.usage == 0.0

@@ -9,30 +9,32 @@ compared runs execute the same operations, so any difference is a state leak, no
 from __future__ import annotations
 
 import dataclasses
-import sys
+import weakref
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from lingbot_core.config import WAN21_VAE, tiny_config
 from lingbot_core.events import EventError, read_events
 from lingbot_core.generate import controls_from_events
-from lingbot_core.image import ImageError, image_digest, load_image
+from lingbot_core.image import ImageError, fit_image, image_digest, load_image
 from lingbot_core.kv_cache import KVPagePool
 from lingbot_core.loading import build_seeded_parts
 from lingbot_core.model import camera
 from lingbot_core.model.text import PromptError
 from lingbot_core.pipeline import Pipeline
+from lingbot_core.requests import StartRequest, parse_start
 from lingbot_core.video import frames_to_uint8
 from lingbot_core.serving.session import (
     Replay,
     Session,
     SessionClosed,
     SessionStatus,
-    held_bytes,
-    measure_footprint,
 )
+from lingbot_core.serving.memory import held_bytes, measure_footprint
 
 CONFIG = dataclasses.replace(tiny_config(rope_max_seq_len=8, sink_size=3, sliding_window_num_frames=9),
                              vae=dict(WAN21_VAE, base_dim=4, num_res_blocks=1))
@@ -64,8 +66,12 @@ def pool(pipe) -> KVPagePool:
     assert pool.allocator.num_in_use == 0, "a test leaked pages"
 
 
+def _request(pipe, image, prompt=PROMPT, seed=SEED) -> StartRequest:
+    return parse_start(image, prompt, seed, pipe.config)  # the boundary's one parse: the session trusts it
+
+
 def _session(pipe, pool, image, seed=SEED, prompt=PROMPT, **kwargs) -> Session:
-    return Session("s", pipe, pool, image, prompt, seed, **kwargs)
+    return Session("s", pipe, pool, _request(pipe, image, prompt, seed), **kwargs)
 
 
 def _keys(*frames: str) -> list[list[str]]:
@@ -228,7 +234,7 @@ def _drive(session: Session, block: int) -> None:
 def reference_run(pipe, image):
     """Blocks 0..3 without any failure, and the session state after each."""
     pool = pipe.new_pool(CONFIG.transformer.sliding_window_num_frames)
-    session = Session("ref", pipe, pool, image, PROMPT, SEED)
+    session = Session("ref", pipe, pool, _request(pipe, image))
     outputs, states = [], []
     for block in range(4):
         _drive(session, block)
@@ -280,11 +286,10 @@ def test_failures_at_block_zero_and_repeated_failures_keep_the_state(pipe, pool,
     session.close()
 
 
-def test_close_during_a_block_returns_every_page_when_it_ends(pipe, pool, image):
+def test_close_returns_every_page_and_a_closed_session_refuses_everything(pipe, pool, image):
     session = _session(pipe, pool, image)
     session.step()
-    with pytest.raises(SessionClosed):
-        session.step(on_stage=lambda name: session.close() if name == "denoise" else None)
+    session.close()
     assert pool.allocator.num_in_use == 0 and session.rollout is None
     with pytest.raises(SessionClosed):
         session.post_event({"event_id": 0, "keys": []})
@@ -301,7 +306,7 @@ def test_pages_stay_bounded_and_the_window_ring_recycles_them(pipe, image):
     """Sink + recent pages after every block however long the rollout, keyed by absolute frame."""
     t = CONFIG.transformer
     pool = pipe.new_pool(t.sliding_window_num_frames)  # one window: any leaked page would exhaust it
-    session = Session("s", pipe, pool, image, PROMPT, SEED)
+    session = Session("s", pipe, pool, _request(pipe, image))
     expected = [[0, 1, 2], [0, 1, 2, 3, 4, 5]] + [[0, 1, 2, 3 * k, 3 * k + 1, 3 * k + 2] for k in range(2, 7)]
     for block in range(7):
         session.step()
@@ -312,13 +317,34 @@ def test_pages_stay_bounded_and_the_window_ring_recycles_them(pipe, image):
 
 
 def _live_bytes(session: Session, extra=None) -> int:
-    """Bytes of the real tensors reachable from the session's state (storages once) plus its pages."""
+    """Bytes of the real tensors reachable from the session's state (storages once) plus its pages;
+    extra: (tensors made by the running block and still alive, pages it reserved)."""
     seen: set[int] = set()
     total = held_bytes(session.rollout, seen) + len(session.rollout.kv.frame_pages) * session.footprint.page_bytes
     if extra is not None:
-        locals_, new_pages = extra
-        total += held_bytes(locals_, seen) + len(new_pages) * session.footprint.page_bytes
+        tensors, new_pages = extra
+        total += held_bytes(tensors, seen) + new_pages * session.footprint.page_bytes
     return total
+
+
+class _TensorsMade(TorchDispatchMode):
+    """Every tensor an operation returns while active, weakly: what is still alive later is what the code
+    under it keeps (a block's pending states and working tensors), found without reading its frames."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor):
+                self.made.append(weakref.ref(value))
+        return out
+
+    def alive(self, exclude: list[torch.Tensor]) -> list[torch.Tensor]:
+        shared = {t.untyped_storage().data_ptr() for t in exclude}
+        return [t for ref in self.made if (t := ref()) is not None and t.untyped_storage().data_ptr() not in shared]
 
 
 def test_the_footprint_probe_equals_the_peaks_of_a_real_rollout(pipe, pool, image):
@@ -342,27 +368,24 @@ def test_accounted_bytes_match_the_live_tensors_between_and_during_blocks(pipe, 
     session = _session(pipe, pool, image, footprint=footprint)
     during = []
 
-    def inspect_block(stage):
+    def inspect_block(stage, made):
         if stage != "done":
             return
-        # The rollout step's own frame: its pending states, scratch tensors and reserved pages are the
-        # in-flight bytes. The pool and the modules are shared, not the session's.
-        frame = sys._getframe(2)
-        assert frame.f_code.co_name == "step_block"
-        shared = {"pool", "config", "transformer", "vae", "decode_frame", "on_stage", "velocity", "read_view",
-                  "write_view", "state"}
-        locals_ = {k: v for k, v in frame.f_locals.items() if k not in shared}
-        # `state` is the committed rollout, or its copy with the new prompt's text K/V: count only that.
-        locals_["text"] = frame.f_locals["state"].text_kv
-        reached_fixed_point = frame.f_locals["next_condition"].fixed and not frame.f_locals["state"].condition.fixed
-        live = _live_bytes(session, (locals_, frame.f_locals["new_pages"]))
-        during.append((live, sum(session.nbytes().values()), reached_fixed_point))
+        # The block's own tensors still alive (pending states, scratch) and the pages it reserved are the
+        # in-flight bytes. The pool's tensors are shared, not the session's.
+        committed_pages = len(session.rollout.kv.frame_pages)
+        tensors = made.alive(exclude=[pool.k, pool.v])
+        live = _live_bytes(session, (tensors, pool.allocator.num_in_use - committed_pages))
+        during.append((live, sum(session.nbytes().values())))
 
     assert sum(session.nbytes().values()) == pytest.approx(_live_bytes(session), rel=0.10)
     for block in range(9):  # the condition encoder reaches its fixed point at block 6 here
         if block == 3:
             session.post_event({"event_id": 0, "keys": ["w"], "prompt": OTHER_PROMPT})
-        session.step(on_stage=inspect_block)
+        was_fixed = session.rollout.condition.fixed
+        with _TensorsMade() as made:
+            session.step(on_stage=lambda stage: inspect_block(stage, made))
+        during[-1] += (session.rollout.condition.fixed and not was_fixed,)  # this block reached the fixed point
         accounted = session.nbytes()
         assert accounted.keys() == {"kv_pages", "text_kv", "condition", "decoder", "rng"}, "in-flight left over"
         assert sum(accounted.values()) == pytest.approx(_live_bytes(session), rel=0.10), f"block {block}"
@@ -386,12 +409,12 @@ def test_bad_image_prompt_or_seed_holds_nothing(pipe, pool, image):
     with pytest.raises(PromptError):
         _session(pipe, pool, image, prompt=" ")
     with pytest.raises(ValueError, match="seed"):
-        _session(pipe, pool, image, seed="7")
+        _session(pipe, pool, image, seed=1.5)
     session = _session(pipe, pool, image)
     session.step()
     before = _snapshot(session)
     with pytest.raises(ImageError):
-        session.reset(b"not an image", PROMPT, 1)
+        session.reset(_request(pipe, b"not an image", PROMPT, 1))
     _assert_same(before, _snapshot(session))
     session.close()
 
@@ -407,7 +430,7 @@ def test_reset_starts_a_new_world_and_event_ids_stay_monotonic(pipe, pool, image
     session.step()
     session.step()
     session.post_event({"event_id": 9, "keys": ["a"]})  # queued, then dropped by the reset
-    session.reset(np.flipud(image).copy(), OTHER_PROMPT, 3)
+    session.reset(_request(pipe, np.flipud(image).copy(), OTHER_PROMPT, 3))
     assert session.block_index == 0 and not session.queue and session.held_keys == frozenset()
     assert pool.allocator.num_in_use == 0  # the old world's pages went back at once
     assert session.replay.seed == 3 and session.replay.blocks == []
@@ -438,7 +461,9 @@ def test_replay_reproduces_the_identical_latents_offline(pipe, pool, image, tmp_
         latents.append(session.step().latents)
     replay = Replay.from_json(session.replay.to_json())
     assert replay == session.replay
-    assert replay.image_sha256 == image_digest(load_image(image)) and replay.seed == SEED
+    # The picture the model sees (fitted to the frame) names the world, however it was sent.
+    assert replay.image_sha256 == image_digest(fit_image(load_image(image), CONFIG.height, CONFIG.width))
+    assert replay.seed == SEED
     assert replay.dtype == "float32" and replay.model == CONFIG.name
     assert [b.get("prompt") for b in replay.blocks] == [None, None, None, OTHER_PROMPT, None, PROMPT, None]
 

@@ -32,6 +32,7 @@ class HistoryCache:
         self.frames: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (layer, frame) -> k, v
         self.start_frame = 0
         self.writes = False
+        self.context_valid = None  # the context is exactly the frames context_frames lists, no padding
         self.stored: list[tuple[torch.Size, torch.dtype]] = []
 
     def context(self, layer: int):

@@ -176,6 +176,7 @@ class RecordKV:
     """The clean K/V of the blocks committed so far, per layer: [B, frames * tokens, H, D], frames in order."""
 
     writes = True
+    context_valid = None  # no context
 
     def __init__(self) -> None:
         self.k: dict[int, torch.Tensor] = {}
@@ -198,9 +199,13 @@ class RecordKV:
 
 
 class ReadKV:
-    """Cache stand-in for a block's forward: the recorded K/V of its context frames, never written."""
+    """Cache stand-in for a block's forward: the recorded K/V of its context frames, never written.
+
+    The context has exactly the block's frames (its length varies with the block; training runs eager),
+    where inference's kv_cache.BlockKV pads a fixed window and masks it: the results are equal."""
 
     writes = False
+    context_valid = None  # every context token counts
 
     def __init__(self, record: RecordKV, frames: list[int], tokens_per_frame: int) -> None:
         self.record, self.frames, self.tokens = record, frames, tokens_per_frame

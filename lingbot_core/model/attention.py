@@ -13,7 +13,9 @@ from lingbot_core.config import TransformerConfig
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Scaled dot-product attention on [B, L, H, D] tensors; mask is bool [Lq, Lk], True = may attend."""
+    """Scaled dot-product attention on [B, L, H, D] tensors; mask is bool [Lq, Lk] or [1, Lk], True = may attend.
+
+    Every query must be allowed at least one key (a fully masked row is NaN)."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
     return out.transpose(1, 2)  # [B, H, Lq, D] -> [B, Lq, H, D]
 

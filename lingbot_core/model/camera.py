@@ -28,7 +28,6 @@ Public API
 ----------
     VALID_KEYS                                                  frozenset("wasdijkl")
     ActionError(ValueError), TrajectoryError(ValueError)
-    validate_frame_actions(frames, frames_per_block) -> tuple[frozenset[str], ...]
     CameraState(pose, pitch_deg);  CameraState.initial()
     integrate_actions(state, frames_actions, cfg) -> (poses [F,4,4] float64, CameraState)
     intrinsics_for(cfg, width, height) -> (fx, fy, cx, cy)      key input, in pixels of a width x height frame
@@ -94,16 +93,6 @@ class TrajectoryError(ValueError):
 
 # ----------------------------------------------------------------------------------------------
 # Actions
-
-
-def validate_frame_actions(frames: object, frames_per_block: int) -> tuple[frozenset[str], ...]:
-    """Check one block's actions: a list of `frames_per_block` lists of key strings."""
-    if not isinstance(frames, (list, tuple)):
-        raise ActionError(f"actions must be a list of {frames_per_block} per-frame key lists; "
-                          f"got {type(frames).__name__}")
-    if len(frames) != frames_per_block:
-        raise ActionError(f"actions must have exactly {frames_per_block} per-frame key lists; got {len(frames)}")
-    return tuple(_frame_keys(keys, index) for index, keys in enumerate(frames))
 
 
 def _frame_keys(keys: object, index: int) -> frozenset[str]:

@@ -4,9 +4,10 @@ Parameter names and shapes equal the diffusers checkpoint `transformer/` folder.
 Linear/Conv inputs are cast to their weight dtype (bf16 weights run bf16 matmuls); the residual stream,
 the camera stream, the norms and the adaLN modulation are fp32 islands (float64 for a float64 model).
 
-The KV cache is not owned here. `forward` reads `cache.context(layer)` and, when `cache.writes`, hands this
-call's RoPE-rotated K/V to `cache.store(layer, k, v)`; both happen outside `CausalBlock.forward`, which is
-a pure tensor function and therefore safe to torch.compile.
+The KV cache is not owned here. `forward` reads `cache.context(layer)` (with `cache.context_valid`, the mask
+of a fixed-size context window) and, when `cache.writes`, hands this call's RoPE-rotated K/V to
+`cache.store(layer, k, v)`; both happen outside `CausalBlock.forward`, which is a pure tensor function and
+therefore safe to torch.compile (one graph when the context has one shape, as kv_cache.BlockKV's has).
 """
 
 from __future__ import annotations
@@ -304,8 +305,10 @@ class CausalLingBotWorldTransformer3DModel(nn.Module):
         timestep: model timestep (0..1000), [B] for all frames or [B, F] per latent frame.
         plucker: [B, F, camera_channels, h * camera_unshuffle, w * camera_unshuffle].
         start_frame: absolute latent index of frame 0 (its RoPE temporal position).
-        cache: duck-typed `context(layer) -> (k, v) | None`, `writes: bool`, `store(layer, k, v)`.
-        attn_mask: bool [L, Lctx + L] for the one-shot oracle forward (see attention.block_causal_mask).
+        cache: duck-typed `context(layer) -> (k, v) | None` ([1 or B, Lctx, H, D] each), `context_valid`
+            (bool [Lctx], False on context slots to ignore; None: all count), `writes: bool`, `store(layer, k, v)`.
+        attn_mask: bool [L, Lctx + L] for a cache without `context_valid`; the one-shot oracle forward passes
+            [L, L] (attention.block_causal_mask).
         The output is float32 (float64 for a float64 model).
         """
         self._check_inputs(hidden_states, timestep, text_kv, plucker, start_frame)
@@ -323,6 +326,13 @@ class CausalLingBotWorldTransformer3DModel(nn.Module):
         cos, sin = self.rope.cos_sin(start_frame, *grid)
 
         # 3. Blocks; the cache is read and written here so that a block stays a pure (compilable) function.
+        #    A fixed-size context hides its empty slots with a key mask: [1, Lctx + L], the same for every query.
+        valid = None if cache is None else cache.context_valid
+        if valid is not None:
+            if attn_mask is not None:
+                raise TransformerInputError("attn_mask is for the one-shot forward; a cache with a context masks it")
+            own = torch.ones(grid[0] * grid[1] * grid[2], dtype=torch.bool, device=valid.device)
+            attn_mask = torch.cat([valid, own])[None]
         for layer, block in enumerate(self.blocks):
             context = cache.context(layer) if cache is not None else None
             ctx_k, ctx_v = (None, None) if context is None else (t.contiguous() for t in context)

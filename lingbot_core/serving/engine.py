@@ -1,6 +1,6 @@
 """The serving engine: one model, many sessions, bounded memory, one worker.
 
-- Admission by bytes: a probe (`measure_footprint`: no model block, the VAE streamed on a small frame and
+- Admission by bytes: one probe (serving/memory.py: no model block, the VAE streamed on a small frame and
   scaled) measures a session's peak committed bytes (its KV window, text
   K/V, condition encoder and decoder state, finished blocks waiting for the consumer) and the bytes one
   running block adds (its pages, the pending encoder/decoder/text state, scratch). A newcomer is
@@ -11,11 +11,15 @@
   condition stream (lingbot_core/condition_cache.py), so its encoder warm-up runs once per process.
   Each session is still charged a stream of its own; streams kept for pictures no session reads now
   stay within the condition reserve (`condition_cache_bytes`).
+- One owner: the engine holds every session's state; its consumer learns of it only from the tagged
+  messages of the session's outbox (NewWorld, Block, Failed, Closed), in order, and keeps nothing else.
 - Scheduling: one worker advances sessions one block at a time, round-robin at block boundaries. A
   session runs at most `max_lead_blocks` blocks ahead of its consumer, so an idle viewer costs no
-  compute. Input is applied at the next block boundary.
-- Eviction: idle TTL (no input and no consumption, on the injected clock), explicit close (also on
-  consumer disconnect), reset, and LRU eviction of idle sessions when a newcomer needs the room.
+  compute; a consumer that paces its session (`pace`) has each block started just in time instead.
+  Input is applied at the next block boundary, so to the earliest block not started.
+- Eviction: the one idle policy (no input for idle_ttl_s, on the injected clock; the app's --idle-ttl),
+  explicit close (also on consumer disconnect), reset, and LRU eviction of sessions nobody drove or
+  watched for evictable_after_s when a newcomer needs the room.
   Every path out goes through `Session.close`, which returns every page.
 
 One model thread: the worker runs every piece of PyTorch work of the engine, the blocks and also the
@@ -37,13 +41,13 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import threading
 import time
 import uuid
 from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import numpy as np
@@ -51,12 +55,14 @@ import torch
 
 from ..condition_cache import ConditionCache
 from ..events import Event
-from ..image import fit_image, load_image
-from ..model.text import normalize_prompt
+from ..generate import RenderRequest, render
 from ..pipeline import Pipeline
+from ..requests import StartRequest
 from ..startup import StartupLog, maybe_stage
 from ..video import frames_to_uint8
-from .session import Footprint, Replay, Session, SessionStatus, held_bytes, measure_footprint
+from ..pages import PageAllocator
+from .memory import held_bytes, plan_memory
+from .session import Replay, Session, SessionStatus
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +92,7 @@ class EngineConfig:
     memory_fraction: float = 0.5
     max_sessions: int | None = None  # an extra cap on top of the byte budget
     max_lead_blocks: int = 1  # blocks a session may run ahead of its consumer
-    idle_ttl_s: float = 120.0  # no input and no consumption for this long closes a session
+    idle_ttl_s: float = 120.0  # no input (events or a reset) for this long closes a session (the one idle policy)
     evictable_after_s: float = 10.0  # idle this long: may be evicted (LRU) to admit a newcomer
     max_waiting: int = 8  # tickets in line before newcomers are refused
     ticket_ttl_s: float = 30.0  # a waiting ticket not polled for this long leaves the line
@@ -117,16 +123,29 @@ class Ticket:
     position: int | None = None  # 1 = next in line
 
 
+# ---------------------------------------------------------------------------------------------
+# What a session's consumer receives, in order, from its outbox (`next_message`)
+
+
+@dataclass(frozen=True)
+class NewWorld:
+    """A world starts: first in every outbox, and again after each reset. No block of an earlier world
+    follows it. `replay` is the new world's replay header (no blocks yet): the consumer's copy to extend
+    with each Block's `replay_entry`, so it never reads the session's own log."""
+
+    replay: Replay
+
+
 @dataclass
-class BlockMessage:
-    """What a consumer receives for each block: its pixels and latents plus the figures the UI shows."""
+class Block:
+    """One block: its pixels and latents, the figures the UI shows, and what it adds to the replay."""
 
     block_index: int
     pixels: np.ndarray  # [T, H, W, 3] uint8, ready to encode (converted on the model thread)
     latents: torch.Tensor  # [1, z, F, h, w] clean, normalised, on the CPU
     stage_ms: dict[str, float]
     block_ms: float
-    event_ids: tuple[int, ...] = ()  # the events this block applied
+    replay_entry: dict[str, Any]  # the replay log's record of this block (key sets, event ids, a new prompt)
     # The camera path the block was generated along (a few hundred bytes, not counted in nbytes): each latent
     # frame's pose [F, 4, 4] and the pose before the block [4, 4] (its Plücker anchor). A consumer can
     # render the true scene along it (lingbot_core/world/ground_truth.py).
@@ -134,15 +153,32 @@ class BlockMessage:
     start_pose: np.ndarray | None = None
 
     @property
+    def event_ids(self) -> tuple[int, ...]:
+        """The events this block applied."""
+        return tuple(self.replay_entry["event_ids"])
+
+    @property
     def nbytes(self) -> int:
         return self.pixels.nbytes + held_bytes(self.latents)
 
 
-@dataclass
-class ErrorMessage:
+@dataclass(frozen=True)
+class Failed:
+    """A block failed; the session is intact and goes on (or waits for new input, if it had none)."""
+
     text: str
-    fatal: bool  # True: the session is gone
     waiting_for_input: bool = False  # the session runs no block until new input (or a reset) arrives
+
+
+@dataclass(frozen=True)
+class Closed:
+    """The session is gone; last in its outbox, and the answer to every later `next_message`."""
+
+    reason: str
+    idle: bool = False  # closed by the idle policy (no input for idle_ttl_s), not by anyone's request
+
+
+Message = NewWorld | Block | Failed | Closed
 
 
 class _Live:
@@ -150,28 +186,16 @@ class _Live:
 
     def __init__(self, session: Session) -> None:
         self.session = session
-        self.outbox: deque[BlockMessage | ErrorMessage] = deque()
+        self.outbox: deque[Message] = deque([NewWorld(session.replay)])
         self.waiting_for_input = False  # after a failure: do not retry until something changes
-        self.closed_reason: str | None = None
+        # Just in time (`pace`): once its consumer paces it, a session's next block starts no earlier than
+        # this (engine clock), and a taken block holds the next one back until the consumer says when.
+        self.paced = False
+        self.start_at = 0.0
 
     @property
     def blocks_waiting(self) -> int:
-        return sum(isinstance(m, BlockMessage) for m in self.outbox)
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """Free memory where the session state lives: GPU memory on CUDA, physical RAM otherwise."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def total_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        _, total = torch.cuda.mem_get_info(device)
-        return total
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return sum(isinstance(m, Block) for m in self.outbox)
 
 
 class Engine:
@@ -186,7 +210,7 @@ class Engine:
         self.clock = clock
         self._sessions: OrderedDict[str, _Live] = OrderedDict()  # round-robin order
         self._waiting: OrderedDict[str, float] = OrderedDict()  # ticket id -> last poll time
-        self._closed: OrderedDict[str, str] = OrderedDict()  # recently closed id -> reason
+        self._closed: OrderedDict[str, Closed] = OrderedDict()  # recently closed id -> why
         self._step_lock = threading.Lock()
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)  # outboxes, input, jobs
@@ -205,62 +229,28 @@ class Engine:
             raise
 
     def _setup(self, pipeline: Pipeline | Callable[[], Pipeline]) -> None:
-        """Load (if given a loader), measure a session, size the budget and the page pool."""
+        """Load (if given a loader), then the one memory probe and plan (serving/memory.py): the budget, the
+        capacity and the page pool, whose allocator the engine keeps and admits by."""
         self.pipeline = pipeline if isinstance(pipeline, Pipeline) else pipeline()
         config = self.config
         with maybe_stage(self._log, "memory probe") as details:
-            self.footprint, self.block_reserve = self._measure(self.pipeline)
+            self.memory = plan_memory(self.pipeline, budget_bytes=config.memory_budget_bytes,
+                                      fraction=config.memory_fraction, max_sessions=config.max_sessions,
+                                      max_lead_blocks=config.max_lead_blocks,
+                                      condition_cache_bytes=config.condition_cache_bytes)
             details.append(f"{self.footprint.committed / 2**20:.1f} MiB a session between blocks, "
                            f"{self.block_reserve / 2**20:.1f} MiB for the running block")
-        # A session between blocks at its largest, plus the finished blocks its consumer has not taken.
-        self.session_bytes = self.footprint.committed + config.max_lead_blocks * self.footprint.message
-        # Sessions share one condition stream per start picture; each is still charged a stream of its own
-        # (`footprint.condition`), and the streams kept for pictures no session reads have their own reserve.
-        cache_bytes = config.condition_cache_bytes
-        self.conditions = ConditionCache(4 * self.footprint.condition if cache_bytes is None else cache_bytes)
-        self.reserved_bytes = self.block_reserve + self.conditions.max_bytes
-        device = self.pipeline.device
-        budget = config.memory_budget_bytes
-        if budget is None:
-            budget = int(available_memory_bytes(device) * config.memory_fraction)
-        elif budget > total_memory_bytes(device):
-            raise ValueError(f"memory_budget_bytes={budget} exceeds the {device.type} memory of "
-                             f"{total_memory_bytes(device) / 2**30:.1f} GiB")
-        self.memory_budget = int(budget)
-        capacity = max(0, (self.memory_budget - self.reserved_bytes) // self.session_bytes)
-        if config.max_sessions is not None:
-            capacity = min(capacity, config.max_sessions)
-        if capacity < 1:
-            raise ValueError(f"a memory budget of {self.memory_budget / 2**20:.1f} MiB holds no session: one needs "
-                             f"{self.session_bytes / 2**20:.1f} MiB plus {self.block_reserve / 2**20:.1f} MiB "
-                             f"for the block being computed and {self.conditions.max_bytes / 2**20:.1f} MiB for "
-                             "the shared condition streams")
-        self.capacity = int(capacity)
-        t = self.pipeline.config.transformer
-        # Between blocks a session holds sink + recent pages; only the one running block holds its own too.
-        self.pool = self.pipeline.new_pool(self.capacity * (t.sliding_window_num_frames - t.num_frames_per_block)
-                                           + t.num_frames_per_block)
+        self.conditions = ConditionCache(self.memory.condition_reserve)
+        self.pages = PageAllocator(self.memory.pool_pages)
+        self.pool = self.pipeline.new_pool(self.memory.pool_pages, self.pages)
 
-    @staticmethod
-    def _measure(pipeline) -> tuple[Footprint, int]:
-        """The per-session footprint and the bytes reserved for the one block in progress.
-
-        On CUDA the reserve also covers the transient activations, measured as the probe's peak above
-        what its state and pool hold; on the CPU only the block's named tensors are reserved.
-        """
-        cuda = pipeline.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(pipeline.device)
-            base = torch.cuda.memory_allocated(pipeline.device)
-            torch.cuda.reset_peak_memory_stats(pipeline.device)
-        footprint = measure_footprint(pipeline)
-        reserve = footprint.in_flight
-        if cuda:
-            peak = torch.cuda.max_memory_allocated(pipeline.device) - base
-            probe_pool = 2 * footprint.block_pages  # measure_footprint's private pool
-            probe_state = footprint.text_kv + footprint.condition + footprint.decoder
-            reserve = max(reserve, peak - probe_pool - probe_state + footprint.block_pages)
-        return footprint, int(reserve)
+    # The plan's figures, by their names in stats() and the tests.
+    footprint = property(lambda self: self.memory.footprint)
+    block_reserve = property(lambda self: self.memory.block_reserve)
+    reserved_bytes = property(lambda self: self.memory.reserved_bytes)
+    session_bytes = property(lambda self: self.memory.session_bytes)
+    memory_budget = property(lambda self: self.memory.budget)
+    capacity = property(lambda self: self.memory.capacity)
 
     def _on_model_thread(self, work: Callable[[], T]) -> T:
         """Run `work` under the step lock on the worker, ahead of its next block, and return its result.
@@ -270,7 +260,9 @@ class Engine:
         """
         future: Future = Future()
         with self._lock:
-            queued = self._worker_running and threading.current_thread() is not self._worker
+            # A worker that is not alive here is one of a parent process (a ZeroGPU call runs in a fork).
+            queued = (self._worker_running and threading.current_thread() is not self._worker
+                      and self._worker is not None and self._worker.is_alive())
             if queued:
                 self._jobs.append((work, future))
                 self._changed.notify_all()
@@ -282,33 +274,29 @@ class Engine:
     # -- admission ---------------------------------------------------------------------------------
 
     def _fits_locked(self) -> bool:
-        return (len(self._sessions) < self.capacity and
-                self.reserved_bytes + (len(self._sessions) + 1) * self.session_bytes <= self.memory_budget)
+        """Room for one more session: its bytes in the plan, and its window of pages in the pool beside the
+        windows the live sessions may still fill and the running block's pages."""
+        sessions = list(self._sessions.values())
+        plan = self.memory
+        held = sum(live.session.held_pages for live in sessions)
+        still_to_fill = len(sessions) * plan.pages_per_session - held
+        running_block = self.pages.num_in_use - held  # pages a block in progress has taken already
+        return plan.fits(len(sessions) + 1) and self.pages.can_allocate(
+            still_to_fill + plan.pages_per_session + max(plan.block_pages - running_block, 0))
 
-    def admit(self, image, prompt: str, seed: int, ticket_id: str | None = None) -> Ticket:
+    def admit(self, request: StartRequest, ticket_id: str | None = None) -> Ticket:
         """Open a session if it fits; otherwise a place in line (poll again with the ticket id).
 
-        Raises AdmissionRefused when the line is full, and ValueError subclasses for a bad image,
-        prompt or seed (nothing is held then).
+        `request` was parsed at the boundary (lingbot_core/requests.py: picture fitted, prompt cleaned), on
+        the caller's thread, never the model thread. Raises AdmissionRefused when the line is full.
         """
-        # Bad input fails here, before anything is held or any idle session is evicted for it. The image is
-        # decoded and fitted to the frame here, on the caller's thread: never on the model thread.
-        picture = self._fit(image)
-        normalize_prompt(prompt, self.pipeline.config.text.max_prompt_chars)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
         with self._lock:
             if self._stopped:
                 raise AdmissionRefused("the server is shutting down")
             ticket_id = self._line_up_locked(ticket_id)
             if not self._first_and_room_locked(ticket_id):
                 return self._waiting_ticket_locked(ticket_id)
-        return self._on_model_thread(lambda: self._open_session(ticket_id, picture, prompt, seed))
-
-    def _fit(self, image):
-        """The start image decoded, checked and cut to the model's frame (ImageError if unusable)."""
-        config = self.pipeline.config
-        return fit_image(load_image(image), config.height, config.width)
+        return self._on_model_thread(lambda: self._open_session(ticket_id, request))
 
     def withdraw(self, ticket_id: str | None) -> None:
         """Leave the line at once (the viewer went away), rather than after ticket_ttl_s."""
@@ -316,7 +304,7 @@ class Engine:
             if ticket_id is not None and self._waiting.pop(ticket_id, None) is not None:
                 self._changed.notify_all()
 
-    def _open_session(self, ticket_id: str | None, picture, prompt: str, seed: int) -> Ticket:
+    def _open_session(self, ticket_id: str | None, request: StartRequest) -> Ticket:
         """The admission's model work; runs under the step lock, so no block or other admission interleaves."""
         with self._lock:
             # Another admission may have taken the room while this one waited for the model thread.
@@ -328,8 +316,8 @@ class Engine:
             self._waiting.pop(ticket_id, None)
         # Model work outside the table lock, so input and status calls are not held up.
         session_id = uuid.uuid4().hex
-        session = Session(session_id, self.pipeline, self.pool, picture, prompt, seed,
-                          self.config.max_queued_events, self.clock, self.footprint, self.conditions)
+        session = Session(session_id, self.pipeline, self.pool, request, self.config.max_queued_events, self.clock,
+                          self.footprint, self.conditions)
         with self._lock:
             self._sessions[session_id] = _Live(session)
             self._changed.notify_all()
@@ -384,7 +372,8 @@ class Engine:
     def _live_locked(self, session_id: str) -> _Live:
         live = self._sessions.get(session_id)
         if live is None:
-            raise UnknownSession(session_id, self._closed.get(session_id))
+            closed = self._closed.get(session_id)
+            raise UnknownSession(session_id, closed.reason if closed is not None else None)
         return live
 
     def post_event(self, session_id: str, raw: dict | Event) -> None:
@@ -395,51 +384,65 @@ class Engine:
             live.waiting_for_input = False
             self._changed.notify_all()
 
-    def reset(self, session_id: str, image, prompt: str, seed: int) -> None:
+    def reset(self, session_id: str, request: StartRequest) -> None:
         """A new world in the same session: blocks of the old world not yet taken are dropped."""
-        picture = self._fit(image)  # on the caller's thread, like admit's
 
         def work() -> None:
             with self._lock:
                 live = self._live_locked(session_id)
-            live.session.reset(picture, prompt, seed)  # model work: outside the table lock
+            live.session.reset(request)  # model work: outside the table lock
             with self._lock:
-                live.outbox = deque(m for m in live.outbox if not isinstance(m, BlockMessage))
+                # Blocks of the old world nobody took are dropped; the consumer learns of the new one.
+                live.outbox = deque(m for m in live.outbox if not isinstance(m, (Block, NewWorld)))
+                live.outbox.append(NewWorld(live.session.replay))
                 live.waiting_for_input = False
                 self._changed.notify_all()
 
         self._on_model_thread(work)
 
-    def next_message(self, session_id: str, timeout: float | None = None) -> BlockMessage | ErrorMessage | None:
-        """The next block (or error) for this session's consumer; None on timeout (0: do not wait).
+    def next_message(self, session_id: str, timeout: float | None = None) -> Message | None:
+        """The next message for this session's consumer; None on timeout (0: do not wait).
 
-        A closed session answers with a fatal ErrorMessage that gives the reason.
+        A closed session answers with its Closed message (an id never seen raises UnknownSession).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             live = self._sessions.get(session_id)
             if live is None:
-                return ErrorMessage(f"session closed: {self._closed_reason(session_id)}", fatal=True)
+                return self._closed_message(session_id)
             live.session.last_consumed = self.clock()  # waiting for video counts as watching
             while True:
                 if live.outbox:
                     message = live.outbox.popleft()
                     live.session.last_consumed = self.clock()
+                    if live.paced and isinstance(message, Block):
+                        live.start_at = float("inf")  # the next block waits for its consumer's `pace`
                     self._changed.notify_all()  # room in the outbox: the worker may run this session
                     return message
-                if live.closed_reason is not None:
-                    return ErrorMessage(f"session closed: {live.closed_reason}", fatal=True)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
                 self._changed.wait(remaining)
+                if session_id not in self._sessions and not live.outbox:  # closed while waiting, Closed taken
+                    return self._closed_message(session_id)
 
-    def _closed_reason(self, session_id: str) -> str:
+    def pace(self, session_id: str, start_in_s: float) -> None:
+        """Just in time: start this session's next block `start_in_s` seconds from now (0 or less: at once),
+        not as soon as the outbox has room. A consumer that knows when its viewer will need the next block
+        (the stream, from the player's playhead) calls this after each block it takes, so the block is
+        computed as late as playback allows and applies the input that arrived until then."""
+        with self._lock:
+            live = self._live_locked(session_id)
+            live.paced = True
+            live.start_at = self.clock() + start_in_s
+            self._changed.notify_all()
+
+    def _closed_message(self, session_id: str) -> Closed:
         """Why a recently closed session ended; an id never seen (or long forgotten) raises UnknownSession."""
-        reason = self._closed.get(session_id)
-        if reason is None:
+        closed = self._closed.get(session_id)
+        if closed is None:
             raise UnknownSession(session_id)
-        return reason
+        return closed
 
     def close(self, session_id: str, reason: str = "closed") -> None:
         """Close a session (by the user, or on consumer disconnect); idempotent, returns every page."""
@@ -449,15 +452,16 @@ class Engine:
 
         self._on_model_thread(work)
 
-    def _close_locked(self, session_id: str, reason: str) -> None:
+    def _close_locked(self, session_id: str, reason: str, idle: bool = False) -> None:
         """Needs the step lock (the pool is touched) and the table lock."""
         live = self._sessions.pop(session_id, None)
         if live is None:
             return
         live.session.close()
+        closed = Closed(reason, idle)
         live.outbox.clear()  # finished blocks nobody will take: drop their frames now
-        live.closed_reason = reason
-        self._closed[session_id] = reason
+        live.outbox.append(closed)  # for a consumer waiting in next_message now
+        self._closed[session_id] = closed
         while len(self._closed) > self.config.remembered_closes:
             self._closed.popitem(last=False)
         self._changed.notify_all()
@@ -466,23 +470,30 @@ class Engine:
         with self._lock:
             live = self._sessions.get(session_id)
             if live is None:
-                return {"status": SessionStatus.CLOSED.value, "closed_reason": self._closed_reason(session_id)}
+                return {"status": SessionStatus.CLOSED.value, "closed_reason": self._closed_message(session_id).reason}
             status = live.session.describe()
             status.update(bytes=sum(live.session.nbytes().values()), blocks_waiting=live.blocks_waiting,
                           waiting_for_input=live.waiting_for_input)
             return status
 
     def replay(self, session_id: str) -> Replay:
+        """A copy of the session's replay log as it stands (scripts and tests; a stream builds its own from
+        the NewWorld and Block messages it receives)."""
         with self._lock:
             return self._live_locked(session_id).session.replay
+
+    def render(self, request: RenderRequest, out_path: Path) -> int:
+        """An offline video (lingbot_core/generate.py's render) on the model thread, between two blocks of the
+        live sessions, like every other kernel of this process; its private page pool is its own."""
+        return self._on_model_thread(lambda: render(self.pipeline, request, out_path))
 
     # -- telemetry and accounting ------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"active_sessions": len(self._sessions), "waiting": len(self._waiting),
-                    "capacity": self.capacity, "pages_in_use": self.pool.allocator.num_in_use,
-                    "pages_total": self.pool.allocator.num_pages, "accounted_bytes": self.accounted_bytes(),
+                    "capacity": self.capacity, "pages_in_use": self.pages.num_in_use,
+                    "pages_total": self.pages.num_pages, "accounted_bytes": self.accounted_bytes(),
                     "memory_budget": self.memory_budget, "session_bytes": self.session_bytes,
                     "block_reserve": self.block_reserve, "condition_cache_bytes": self.conditions.nbytes(),
                     "condition_streams": len(self.conditions)}
@@ -491,7 +502,7 @@ class Engine:
         """Bytes every live session holds now (committed + in-flight) plus the blocks in their outboxes."""
         with self._lock:
             lives = list(self._sessions.values())
-            outboxes = sum(m.nbytes for live in lives for m in live.outbox if isinstance(m, BlockMessage))
+            outboxes = sum(m.nbytes for live in lives for m in live.outbox if isinstance(m, Block))
         sessions = sum(sum(live.session.nbytes().values()) for live in lives)
         return sessions + outboxes + self.conditions.nbytes()  # shared condition streams: once
 
@@ -502,8 +513,20 @@ class Engine:
     # -- the worker --------------------------------------------------------------------------------
 
     def _runnable_locked(self, live: _Live) -> bool:
-        return (live.session.status is not SessionStatus.CLOSED and not live.waiting_for_input
-                and live.blocks_waiting < self.config.max_lead_blocks)
+        return (self._may_run_locked(live) and live.blocks_waiting < self.config.max_lead_blocks
+                and self.clock() >= live.start_at)
+
+    def _may_run_locked(self, live: _Live) -> bool:
+        return live.session.status is not SessionStatus.CLOSED and not live.waiting_for_input
+
+    def _idle_wait_locked(self) -> float:
+        """How long the idle worker sleeps: until the earliest paced start, at most worker_poll_s."""
+        starts = [live.start_at for live in self._sessions.values()
+                  if self._may_run_locked(live) and live.blocks_waiting < self.config.max_lead_blocks]
+        wait = self.config.worker_poll_s
+        if starts:
+            wait = min(wait, max(min(starts) - self.clock(), 0.001))
+        return wait
 
     def _pick_locked(self) -> tuple[str, _Live] | None:
         """The next session that may run, round-robin: it moves to the back of the order."""
@@ -514,11 +537,13 @@ class Engine:
         return None
 
     def _expire_idle_locked(self) -> None:
+        """The one idle policy: a session nobody has given input (an event or a reset) for idle_ttl_s closes,
+        watched or not, so a forgotten tab does not keep its seat."""
         now = self.clock()
+        ttl = self.config.idle_ttl_s
         for session_id, live in list(self._sessions.items()):
-            s = live.session
-            if now - max(s.last_input, s.last_consumed) > self.config.idle_ttl_s:
-                self._close_locked(session_id, f"no input and no viewer for over {self.config.idle_ttl_s:g} s")
+            if now - live.session.last_input > ttl:
+                self._close_locked(session_id, f"no input for {ttl:.0f} s", idle=True)
 
     def run_once(self) -> str | None:
         """Advance one runnable session by one block: its id, or None if none could run.
@@ -554,15 +579,14 @@ class Engine:
                     what = f"events {ids} could not be applied and were dropped"
                 with self._lock:
                     live.waiting_for_input = not dropped
-                    live.outbox.append(ErrorMessage(f"{what}: {type(exc).__name__}: {str(exc)[:300]}",
-                                                    fatal=False, waiting_for_input=not dropped))
+                    live.outbox.append(Failed(f"{what}: {type(exc).__name__}: {str(exc)[:300]}",
+                                              waiting_for_input=not dropped))
                     self._changed.notify_all()
                 return session_id
             block_ms = 1000.0 * (time.perf_counter() - started)
-            replay = live.session.replay
-            event_ids = tuple(replay.blocks[-1]["event_ids"]) if replay.blocks else ()
-            message = BlockMessage(output.block_index, frames_to_uint8(output.frames), output.latents.cpu(),
-                                   output.stage_ms, block_ms, event_ids, np.asarray(output.poses), start_pose)
+            message = Block(output.block_index, frames_to_uint8(output.frames), output.latents.cpu(),
+                            output.stage_ms, block_ms, live.session.replay_entry(output.block_index),
+                            np.asarray(output.poses), start_pose)
             with self._lock:
                 live.outbox.append(message)
                 self._changed.notify_all()
@@ -595,7 +619,7 @@ class Engine:
                 with self._lock:
                     if not self._stopped and not self._jobs and not any(
                             self._runnable_locked(live) for live in self._sessions.values()):
-                        self._changed.wait(self.config.worker_poll_s)
+                        self._changed.wait(self._idle_wait_locked())
 
     def _stop_worker(self) -> None:
         """Stop the worker after the jobs already queued; later model work runs in its callers' threads."""

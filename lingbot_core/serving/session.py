@@ -10,13 +10,16 @@ succeeded, commits the new rollout state, consumes the events, raises the event 
 to the replay, all at once. A failure leaves every one of those exactly as it was; the session is
 marked FAILED (with `last_error`) and the next step may succeed.
 
-Threads: input (`post_event`, `nbytes`, `describe`) may come from any thread while another steps;
-a small internal lock guards the queue and the commit. The KV pool is not thread-safe, so `step`,
-`reset` and `close` of sessions sharing a pool must be serialised by the caller (the engine does).
+Threads: the engine owns every session and serialises `step`, `reset` and `close` on its model thread
+(the KV pool is not thread-safe), so a session never sees two of them at once. Input (`post_event`)
+and the readings (`nbytes`, `describe`, `replay`) come from request threads while the model thread
+steps outside the engine's table lock: a small internal lock guards the queue, the replay and the
+commit against them.
 """
 
 from __future__ import annotations
 
+import copy
 import enum
 import json
 import threading
@@ -25,17 +28,14 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-import numpy as np
-import torch
-
 from ..condition_cache import ConditionCache
 from ..events import Event, EventError, KeyStateEvent, ScriptEvent, parse_event
-from ..image import image_digest, load_image
+from ..image import image_digest
 from ..kv_cache import KVPagePool
-from ..model import vae_stream
 from ..model.text import PromptError, normalize_prompt
+from ..requests import StartRequest
 from ..rollout import BlockControl, BlockOutput, RolloutState, release
-from ..video import frames_to_uint8
+from .memory import Footprint, committed_bytes, in_flight_bytes
 
 
 class SessionStatus(enum.Enum):
@@ -45,125 +45,7 @@ class SessionStatus(enum.Enum):
 
 
 class SessionClosed(RuntimeError):
-    """The session was closed (by the user, a disconnect, its idle TTL or eviction)."""
-
-
-class SessionBusy(RuntimeError):
-    """A block of this session is already running; a session steps one block at a time."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Bytes
-
-
-def held_bytes(value: Any, seen: set[int] | None = None) -> int:
-    """Bytes of the tensor storages and NumPy buffers reachable from `value` (containers, dataclasses,
-    objects); each buffer once."""
-    seen = set() if seen is None else seen
-    total = 0
-    stack = [value]
-    visited: set[int] = set()
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        elif isinstance(item, np.ndarray):  # e.g. a block's uint8 pixels; may share memory with a tensor
-            root = item
-            while isinstance(root.base, np.ndarray):
-                root = root.base
-            pointer = root.__array_interface__["data"][0]
-            if pointer not in seen:
-                seen.add(pointer)
-                total += root.nbytes
-        elif isinstance(item, (str, bytes, int, float, bool, type(None), type, torch.nn.Module)):
-            continue  # scalars hold no tensors; classes and modules (weights) are not session state
-        elif id(item) in visited:
-            continue
-        else:
-            visited.add(id(item))
-            if isinstance(item, dict):
-                stack.extend(item.values())
-            elif isinstance(item, (list, tuple, set, frozenset)):
-                stack.extend(item)
-            elif hasattr(item, "__dict__"):
-                stack.extend(vars(item).values())
-    return total
-
-
-@dataclass(frozen=True)
-class Footprint:
-    """Peak bytes of one session of a pipeline, measured once on a probe rollout (see `measure_footprint`).
-
-    `committed` is what a session holds between blocks at worst; `in_flight` is what one running block
-    adds on top (its reserved pages, the pending encoder and decoder states, the block's working tensors).
-    """
-
-    page_bytes: int
-    kv_pages: int  # the committed page table at its fullest: sink + recent window
-    text_kv: int
-    condition: int  # condition stream at its largest: encoder history + the last condition block
-    decoder: int  # decoder feature cache at its largest
-    rng: int  # the generator state carried between blocks
-    block_pages: int  # pages a block reserves for its own K/V
-    scratch: int  # a block's working tensors: noise and latents, mask + condition input, Plücker map, frames
-    message: int  # one finished block handed to a consumer: uint8 pixels + latents
-
-    @property
-    def committed(self) -> int:
-        return self.kv_pages + self.text_kv + self.condition + self.decoder + self.rng
-
-    @property
-    def in_flight(self) -> int:
-        """A block with a prompt switch: pending pages, encoder, decoder and text K/V, plus scratch."""
-        return self.block_pages + self.condition + self.decoder + self.text_kv + self.scratch
-
-
-def block_scratch_bytes(config, model_dtype: torch.dtype, vae_dtype: torch.dtype) -> int:
-    """Working tensors a block keeps across its stages, from the config's shapes.
-
-    latents and the mask + condition input are float32 (the sampler's dtype); the Plücker map is in the
-    model dtype; the decoded frames are in the VAE dtype. Transformer activations are transient within a
-    stage and belong to the worker, not to a session.
-    """
-    t = config.transformer
-    latent = t.num_frames_per_block * config.latent_height * config.latent_width
-    fp32 = torch.empty((), dtype=torch.float32).element_size()
-    latents = t.out_channels * latent * fp32  # [1, z, F, h, w]
-    extra = (t.mask_channels + t.out_channels) * latent * fp32  # [1, mask + z, F, h, w]
-    mask = t.mask_channels * latent * torch.empty((), dtype=vae_dtype).element_size()
-    pixels = config.height * config.width
-    plucker = t.num_frames_per_block * t.camera_channels * pixels * torch.empty((), dtype=model_dtype).element_size()
-    frames = 3 * config.pixel_frames_per_block * pixels * torch.empty((), dtype=vae_dtype).element_size()
-    return latents + extra + mask + plucker + frames
-
-
-def measure_footprint(pipeline, seed: int = 0) -> Footprint:
-    """Each component's peak for one session of `pipeline`, without running a block of the model.
-
-    The KV pages, the RNG state, a block's scratch and a finished block's size follow from the config;
-    the text K/V are one real prompt encoding; the condition and decoder states come from
-    `vae_stream.probe_stream_bytes` (two blocks streamed through the VAE on a small frame, scaled to the
-    model's frame). Start-up used to run two whole blocks for this, 19 s on a 2-core AVX2 CPU in fp32.
-    """
-    config = pipeline.config
-    t = config.transformer
-    frames_per_block = t.num_frames_per_block
-    page_bytes = KVPagePool.page_nbytes(config, pipeline.dtype)
-    streams = vae_stream.probe_stream_bytes(pipeline.vae, config)
-    generator_state = torch.Generator(device="cpu").manual_seed(seed).get_state()
-    # What the engine hands a consumer: the frames as uint8 pixels (sized by the conversion itself) and the
-    # float32 latents the sampler returns.
-    pixels = frames_to_uint8(torch.zeros(1, 3, streams.pixel_frames, config.height, config.width)).nbytes
-    latents = held_bytes(torch.zeros(1, t.out_channels, frames_per_block, config.latent_height, config.latent_width))
-    vae_dtype = next(pipeline.vae.parameters()).dtype
-    return Footprint(page_bytes=page_bytes, kv_pages=(t.sliding_window_num_frames - frames_per_block) * page_bytes,
-                     text_kv=held_bytes(pipeline.encode_prompt("probe")), condition=streams.condition,
-                     decoder=streams.decoder, rng=held_bytes(generator_state),
-                     block_pages=frames_per_block * page_bytes,
-                     scratch=block_scratch_bytes(config, pipeline.dtype, vae_dtype), message=pixels + latents)
+    """The session was closed (by the user, a disconnect, the idle policy or eviction)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,6 +66,9 @@ class Replay:
     prompt: str
     blocks: list[dict[str, Any]] = field(default_factory=list)
     dtype: str | None = None  # bit-identical latents need the same dtype (and device kind) offline
+
+    def copy(self) -> "Replay":
+        return replace(self, blocks=copy.deepcopy(self.blocks))
 
     def to_json(self) -> str:
         return json.dumps({"model": self.model, "dtype": self.dtype, "image_sha256": self.image_sha256,
@@ -221,7 +106,7 @@ class _Plan:
 
 
 class Session:
-    def __init__(self, session_id: str, pipeline, pool: KVPagePool, image, prompt: str, seed: int,
+    def __init__(self, session_id: str, pipeline, pool: KVPagePool, request: StartRequest,
                  max_queued_events: int = 64, clock: Callable[[], float] = time.monotonic,
                  footprint: Footprint | None = None, conditions: ConditionCache | None = None) -> None:
         """conditions: where sessions share one condition stream per start picture (the engine's cache)."""
@@ -235,8 +120,6 @@ class Session:
         self.footprint = footprint
         self.conditions = conditions
         self._lock = threading.Lock()  # queue, held keys, floor, replay, status: the parts input touches
-        self._busy = False
-        self._close_requested = False
         self._in_flight: dict[str, int] = {}
         self.status = SessionStatus.ACTIVE
         self.last_error: str | None = None
@@ -247,22 +130,19 @@ class Session:
         self.held_keys: frozenset[str] = frozenset()
         self.last_input = self.last_consumed = clock()
         self.rollout: RolloutState | None = None
-        self.replay: Replay | None = None
-        self._start(image, prompt, seed)
+        self._replay: Replay | None = None  # grows with each commit: read only under the lock
+        self._start(request)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
-    def _start(self, image, prompt: str, seed: int) -> None:
-        """Build the new world first; only then drop the old one, so a bad image or prompt changes nothing."""
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        picture = load_image(image)
-        text = normalize_prompt(prompt, self.pipeline.config.text.max_prompt_chars)
-        rollout = self.pipeline.start(picture, text, seed, conditions=self.conditions)
-        replay = Replay(self.pipeline.config.name, image_digest(picture), int(seed), text,
+    def _start(self, request: StartRequest) -> None:
+        """Build the new world first; only then drop the old one, so a start that fails changes nothing.
+        The request was parsed at the boundary (lingbot_core/requests.py) and is trusted here."""
+        rollout = self.pipeline.start_request(request, conditions=self.conditions)
+        replay = Replay(self.pipeline.config.name, image_digest(request.picture), request.seed, request.prompt,
                         dtype=str(self.pipeline.dtype).removeprefix("torch."))
         with self._lock:
-            old, self.rollout, self.replay = self.rollout, rollout, replay
+            old, self.rollout, self._replay = self.rollout, rollout, replay
             self.queue.clear()  # input meant for the old world; its ids stay spent
             self.event_floor = self._last_event_id
             self.held_keys = frozenset()
@@ -272,24 +152,19 @@ class Session:
         if old is not None:
             release(self.pool, old)
 
-    def reset(self, image, prompt: str, seed: int) -> None:
+    def reset(self, request: StartRequest) -> None:
         """A new world in the same session; event ids keep increasing from where they were."""
         with self._lock:
             self._check_open()
-            if self._busy:
-                raise SessionBusy(f"session {self.session_id} is running a block; reset at the block boundary")
-        self._start(image, prompt, seed)
+        self._start(request)
 
     def close(self) -> None:
-        """Return every page and drop every tensor. Closing during a block defers the release to its end."""
+        """Return every page and drop every tensor (idempotent; never during a block: see Threads above)."""
         with self._lock:
             if self.status is SessionStatus.CLOSED:
                 return
             self.status = SessionStatus.CLOSED
             self.queue.clear()
-            if self._busy:
-                self._close_requested = True  # the stepping thread releases on its way out
-                return
             rollout, self.rollout = self.rollout, None
         if rollout is not None:
             release(self.pool, rollout)
@@ -300,8 +175,21 @@ class Session:
         return rollout.block_index if rollout is not None else 0
 
     @property
-    def busy(self) -> bool:
-        return self._busy
+    def held_pages(self) -> int:
+        """KV pages the committed state holds (the engine admits by the pages sessions may still take)."""
+        rollout = self.rollout
+        return len(rollout.kv.frame_pages) if rollout is not None else 0
+
+    @property
+    def replay(self) -> Replay | None:
+        """A copy of this world's replay log as it stands (the log itself grows with each commit)."""
+        with self._lock:
+            return None if self._replay is None else self._replay.copy()
+
+    def replay_entry(self, block_index: int) -> dict[str, Any]:
+        """A copy of the replay record of this world's committed block `block_index`."""
+        with self._lock:
+            return copy.deepcopy(self._replay.blocks[block_index])
 
     # -- input -------------------------------------------------------------------------------------
 
@@ -364,13 +252,10 @@ class Session:
         """
         with self._lock:
             self._check_open()
-            if self._busy:
-                raise SessionBusy(f"session {self.session_id} is already running a block")
             plan = self._plan()
             state = self.rollout
             switch = plan.control.prompt is not None and plan.control.prompt != state.prompt
-            self._busy = True
-            self._in_flight = self._in_flight_estimate(state, switch)
+            self._in_flight = in_flight_bytes(self.pipeline, self.pool.k.dtype, self.footprint, state, switch)
         try:
             if switch:
                 if on_stage is not None:
@@ -379,17 +264,10 @@ class Session:
             output, committed = self.pipeline.step(self.pool, state, plan.control, on_stage=on_stage)
         except BaseException as exc:
             with self._lock:
-                self._busy, self._in_flight = False, {}
-                abandoned = self._close_requested
-                if not abandoned:
-                    self.status = SessionStatus.FAILED
-                    self.last_error = f"{type(exc).__name__}: {exc}"
-                    self._failed_event_ids = plan.event_ids
-                rollout = self.rollout if abandoned else None
-                if abandoned:
-                    self.rollout = None
-            if rollout is not None:
-                release(self.pool, rollout)
+                self._in_flight = {}
+                self.status = SessionStatus.FAILED
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                self._failed_event_ids = plan.event_ids
             raise
 
         # Commit: the rollout, the consumed events, the held keys and the replay move together.
@@ -398,24 +276,16 @@ class Session:
         if switch:
             record["prompt"] = committed.prompt
         with self._lock:
-            self._busy, self._in_flight = False, {}
-            if self._close_requested:
-                self.rollout = None
-                abandoned = committed
-            else:
-                abandoned = None
-                self.rollout = committed
-                for _ in range(plan.consumed):
-                    self.queue.popleft()
-                if plan.event_ids:
-                    self.event_floor = plan.event_ids[-1]
-                self.held_keys = plan.held_after
-                self.replay.blocks.append(record)
-                self.status = SessionStatus.ACTIVE
-                self.last_error = None
-        if abandoned is not None:
-            release(self.pool, abandoned)
-            raise SessionClosed(f"session {self.session_id} was closed while its block ran")
+            self._in_flight = {}
+            self.rollout = committed
+            for _ in range(plan.consumed):
+                self.queue.popleft()
+            if plan.event_ids:
+                self.event_floor = plan.event_ids[-1]
+            self.held_keys = plan.held_after
+            self._replay.blocks.append(record)
+            self.status = SessionStatus.ACTIVE
+            self.last_error = None
         return output
 
     def drop_failed_events(self) -> tuple[int, ...]:
@@ -430,41 +300,14 @@ class Session:
 
     # -- accounting --------------------------------------------------------------------------------
 
-    def _in_flight_estimate(self, state: RolloutState, prompt_switch: bool) -> dict[str, int]:
-        """Bytes a block adds while it runs: reserved pages, pending encoder/decoder/text state, scratch."""
-        config = self.pipeline.config
-        page_bytes = KVPagePool.page_nbytes(config, self.pool.k.dtype)
-        fp = self.footprint
-        if fp is not None:
-            condition, decoder, scratch = fp.condition, fp.decoder, fp.scratch
-        else:  # without a probe, the committed states stand in for their pending copies
-            vae_dtype = next(self.pipeline.vae.parameters()).dtype
-            condition, decoder = state.condition.nbytes(), state.decoder.nbytes()
-            scratch = block_scratch_bytes(config, self.pool.k.dtype, vae_dtype)
-        return {
-            "pending_pages": config.transformer.num_frames_per_block * page_bytes,
-            # At the fixed point the pending condition stream shares the committed condition tensor.
-            "pending_condition": 0 if state.condition.fixed else condition,
-            "pending_decoder": decoder,
-            "pending_text_kv": held_bytes(state.text_kv) if prompt_switch else 0,
-            "scratch": scratch,
-        }
-
     def nbytes(self) -> dict[str, int]:
         """Bytes this session holds now, by component: the committed state plus, during a block, in-flight."""
         with self._lock:
             rollout, in_flight = self.rollout, dict(self._in_flight)
         if rollout is None:
             return {}
-        page_bytes = KVPagePool.page_nbytes(self.pipeline.config, self.pool.k.dtype)
-        committed = {
-            "kv_pages": len(rollout.kv.frame_pages) * page_bytes,
-            "text_kv": held_bytes(rollout.text_kv),
-            "condition": rollout.condition.nbytes(),
-            "decoder": rollout.decoder.nbytes(),
-            "rng": held_bytes(rollout.rng_state),
-        }
-        return {**committed, **in_flight}
+        return {**committed_bytes(rollout, KVPagePool.page_nbytes(self.pipeline.config, self.pool.k.dtype)),
+                **in_flight}
 
     def describe(self) -> dict[str, Any]:
         """A consistent snapshot for status displays."""

@@ -5,16 +5,21 @@ seat, then takes each finished block from the engine, writes it as a self-contai
 (gr.Video(streaming=True) appends the segments into one growing video) and keeps it for the
 download. Buttons and keys never produce video: they only post events (`act`).
 
-Pacing: the engine computes at most one block ahead of what its consumer has taken, so *when* the
-stream takes a block decides when the next one is computed, and so how old the input is that the
-viewer sees. The stream takes the next block only once the viewer's playhead (reported by the page,
-else estimated) is within `lead_s` of the end of what was sent. The world then stays one block ahead
-of the screen: a key pressed u seconds before a take shows up u + lead_s + one block later (about
-1.6 s at 16 FPS). Where blocks take longer than they play, the viewer waits for each block anyway
-and the stream takes blocks as they come: latency is then about 1.5 blocks' compute time.
+Pacing, just in time: a block applies the input queued when it starts, so the later it starts the
+fresher the picture. The stream takes each block as soon as it is made and tells the engine when to
+start the next one (`Engine.pace`): late enough that it reaches the stream `lead_s` before the
+viewer's playhead (reported by the page, else estimated) runs out of video, given how long a block
+takes to make. No finished block waits in the outbox with old input: a key pressed u seconds before a
+block starts shows up u + the block's making + lead_s later, about 1.3-1.7 s here when blocks make
+faster than they play. Where blocks take longer than they play, each starts at once and the viewer
+waits for it anyway. The telemetry line shows each key's press -> frame latency as the stream
+estimates it.
 
-Every way out (Stop, tab close, input idle, the viewer disconnecting, nobody reading the stream,
-the engine closing the session) closes the engine session.
+The stream only drains the engine's messages for its session (NewWorld, Block, Failed, Closed): the
+world's state, its idle policy and its close reason are the engine's, and the recording builds the
+download's replay from the messages it received. Every way out (Stop, tab close, the viewer
+disconnecting, nobody reading the stream) closes the engine session; the engine's own closes (no
+input for --idle-ttl, eviction) reach the stream as its Closed message.
 
 Who may do what: a world belongs to the viewer that started it (its Gradio session hash, the same for
 a page and for one gradio_client.Client); the session id is for display, and a verb from any other
@@ -22,35 +27,33 @@ viewer is refused. A viewer holds at most `max_streams_per_viewer` streams (a wo
 line) and one client address at most `max_streams_per_address`, so a few anonymous requests cannot
 take every seat and every place in line; a stream whose updates nobody reads for `unread_timeout_s`
 gives its seat or place back. Nothing here holds tensors beyond one block's frames in flight:
-the engine owns the sessions; this module keeps session ids, segment files and replay logs.
+the engine owns the sessions; this module keeps session ids and recordings (lingbot_core/video.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import shutil
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-import av
-import numpy as np
-
-from ..events import MAX_EVENT_LINE_BYTES, EventError, decode_json
-from ..image import fit_image, load_image
-from ..model.text import normalize_prompt
-from ..user_text import check_text, quote
-from ..video import mp4_segment
-from .engine import Admission, AdmissionRefused, BlockMessage, Engine, ErrorMessage, UnknownSession
+from .. import requests
+from ..events import EventError, parse_actions
+from ..user_text import quote
+from ..video import Recording
+from .engine import Admission, AdmissionRefused, Block, Closed, Engine, Failed, NewWorld, UnknownSession
 from .session import SessionStatus
 
-MAX_SEED = 2**63 - 1
-MAX_EVENTS_PER_CALL = 64
+
+
+MAX_TRACKED_EVENTS = 256  # posted events whose times are kept for the key -> frame figure
 
 
 class StreamError(ValueError):
@@ -59,14 +62,15 @@ class StreamError(ValueError):
 
 @dataclass(frozen=True)
 class StreamConfig:
-    # Video still queued ahead of the playhead when the next block is taken. It must cover the segment's
-    # way to the player (muxing, SSE, HLS fetch: ~0.3 s measured here) plus the ~0.1 s a player wants
-    # in hand; below that it stalls for a moment every block, above it only adds latency.
+    # Video still queued ahead of the playhead when the next block reaches the stream. It must cover the
+    # segment's way to the player (muxing, SSE, HLS fetch: ~0.3 s measured here) plus the ~0.1 s a player
+    # wants in hand; below that it stalls for a moment every block, above it only adds latency.
     lead_s: float = 0.6
     delivery_s: float = 0.4  # a sent segment starts playing about this much later (for the estimate)
+    block_margin_s: float = 0.05  # added to a block's measured time when its start is scheduled (pixels, queueing)
+    repace_s: float = 0.02  # the engine is told a new start time when the estimate moves by more than this
     poll_s: float = 0.1  # longest single wait on the engine, so a stop or disconnect is noticed quickly
     line_poll_s: float = 1.0  # how often a viewer waiting in line asks again (the engine drops silent tickets)
-    input_idle_s: float = 120.0  # no action for this long ends the stream and frees the seat
     keep_recordings_s: float = 1800.0  # an ended stream's segments stay downloadable this long
     keep_ended_stream_s: float = 60.0  # Gradio's in-memory copy of an ended stream (its HLS playlist) this long
     workers: int = 16  # threads for engine calls (they may wait on the model lock) and segment encoding
@@ -90,7 +94,7 @@ class StreamUpdate:
     telemetry: str
     session_id: str | None
     finished: bool = False  # the stream ends after this update
-    block: BlockMessage | None = None  # the block this segment shows (its camera path: poses, start_pose)
+    block: Block | None = None  # the block this segment shows (its camera path: poses, start_pose)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,75 +137,17 @@ class PlaybackClock:
 
 
 # ---------------------------------------------------------------------------------------------
-# Recording (for the download)
-
-
-class Recording:
-    """The segments of a session on disk, one folder per world (a reset starts a new world)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.world = 0
-        self.segments: list[Path] = []
-        self.new_world()
-
-    @property
-    def world_dir(self) -> Path:
-        return self.root / f"world-{self.world}"
-
-    def new_world(self) -> None:
-        self.world += 1
-        self.world_dir.mkdir(parents=True, exist_ok=True)
-        self.segments = []
-
-    def add(self, frames: np.ndarray, fps: int) -> Path:
-        """Encode [T, H, W, 3] uint8 frames as the next segment; the file appears whole or not at all."""
-        path = self.world_dir / f"block-{len(self.segments):06d}.mp4"
-        partial = path.with_suffix(".part")
-        partial.write_bytes(mp4_segment(frames, fps))
-        partial.replace(path)
-        self.segments.append(path)
-        return path
-
-    def export_mp4(self, out_path: Path) -> int:
-        """Join this world's segments into one MP4 without re-encoding; returns the block count."""
-        segments = list(self.segments)
-        if not segments:
-            raise StreamError("nothing has been generated yet; press Start and wait for the first block")
-        concat_mp4(segments, out_path)
-        return len(segments)
-
-
-def concat_mp4(segments: list[Path], out_path: Path) -> None:
-    """Remux H.264 MP4 segments (same codec settings, no B-frames) into one file, end to end in time."""
-    with av.open(str(out_path), mode="w") as output:
-        out_stream, offset = None, 0
-        for segment in segments:
-            with av.open(str(segment)) as source:
-                stream = source.streams.video[0]
-                if out_stream is None:
-                    out_stream = output.add_stream_from_template(stream)
-                end = offset
-                for packet in source.demux(stream):
-                    if packet.dts is None:  # the demuxer's end-of-stream marker
-                        continue
-                    packet.pts += offset
-                    packet.dts += offset
-                    end = max(end, packet.pts + packet.duration)
-                    packet.stream = out_stream
-                    output.mux(packet)
-                offset = end
-
-
-# ---------------------------------------------------------------------------------------------
 # Telemetry
 
 
-def telemetry_line(block: BlockMessage, frames: int, fps: int, status: dict[str, Any] | None,
-                   stats: dict[str, Any], note: str = "") -> str:
+def telemetry_line(block: Block, frames: int, fps: int, status: dict[str, Any] | None,
+                   stats: dict[str, Any], note: str = "", key_ms: float | None = None) -> str:
+    """key_ms: the estimated key press -> first frame on screen latency of the keys this block applied."""
     generated_fps = frames / (block.block_ms / 1000.0) if block.block_ms > 0 else float("inf")
     parts = [f"block {block.block_index}", f"{block.block_ms:.0f} ms/block",
              f"{generated_fps:.1f} FPS generated (playback {fps})"]
+    if key_ms is not None:
+        parts.append(f"key → frame ≈ {key_ms:.0f} ms")
     if status is not None:
         parts.append(f"session memory {status['bytes'] / 2**20:.1f} MiB")
         if status.get("queued_events"):
@@ -225,82 +171,24 @@ def _load_text(stats: dict[str, Any]) -> str:
 # Input checks
 
 
-def check_start(image, prompt, seed, config) -> tuple[Any, str, int]:
-    """The start inputs, checked before anyone waits in line; raises StreamError naming the problem.
-
-    The image comes back decoded and fitted to the model's frame (`config` is the pipeline's ModelConfig):
-    this is the costly step, so callers run it on a request thread, never the event loop or the model thread.
-    """
-    if image is None:
-        raise StreamError("upload an image (or pick one of the examples) first")
-    try:
-        # Refused as sent, before any cleaning could hide it: the sender must learn their text is broken.
-        text = normalize_prompt(check_text(prompt, "the prompt") if isinstance(prompt, str) else prompt,
-                                config.text.max_prompt_chars)
-        picture = fit_image(load_image(image), config.height, config.width)
-    except ValueError as exc:  # ImageError, PromptError, text no encoder can write
-        raise StreamError(str(exc)) from None
-    return picture, text, check_seed(seed)
-
-
-def check_seed(seed) -> int:
-    if seed is None or seed == "":
-        return 0
-    if isinstance(seed, bool):
-        raise StreamError(f"seed must be a whole number, got {seed!r}")
-    if isinstance(seed, int):  # exact: a float would round seeds above 2**53
-        value = seed
-    else:
-        try:
-            number = float(seed)
-        except (TypeError, ValueError, OverflowError):
-            raise StreamError(f"seed must be a whole number, got {quote(seed)}") from None
-        if not number.is_integer():  # also NaN and infinities
-            raise StreamError(f"seed must be a whole number from 0 to {MAX_SEED}, got {quote(seed)}")
-        value = int(number)
-    if not 0 <= value <= MAX_SEED:
-        raise StreamError(f"seed must be a whole number from 0 to {MAX_SEED}, got {quote(seed)}")
-    return value
-
-
-def parse_actions(events: str | dict | list) -> list[dict]:
-    """One event object or a list of them, as JSON text or already decoded."""
-    if isinstance(events, str):
-        if not events.strip():
-            return []
-        if len(events) > MAX_EVENTS_PER_CALL * MAX_EVENT_LINE_BYTES:
-            raise StreamError(f"the events text is {len(events)} characters; at most "
-                              f"{MAX_EVENTS_PER_CALL * MAX_EVENT_LINE_BYTES} are accepted in one call")
-        try:
-            events = decode_json(events)
-        except EventError as exc:
-            raise StreamError(f"the events cannot be read: {exc}") from None
-    if isinstance(events, dict):
-        events = [events]
-    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
-        raise StreamError('events must be a JSON object like {"event_id": 1, "keys": ["w"]} or a list of them')
-    if len(events) > MAX_EVENTS_PER_CALL:
-        raise StreamError(f"at most {MAX_EVENTS_PER_CALL} events per call, got {len(events)}")
-    return events
-
-
 # ---------------------------------------------------------------------------------------------
 # The service
 
 
 @dataclass
 class _Record:
-    """What the app keeps per session: small handles only (ids, paths, the replay log object)."""
+    """What the app keeps per stream: who owns it, its recording and its player's clock. The world's state
+    (liveness, input times, why it closed, its replay) is the engine's; this record learns of it only
+    from the messages the stream drains."""
 
     session_id: str
     viewer: str | None  # the Gradio session that started it: the only one whose verbs it obeys
     recording: Recording
-    replay: Any = None  # the session's Replay: kept so the download still works after the session closed
-    last_input: float = 0.0
     playhead: tuple[float, float] | None = None  # (when, seconds): the player's last report, if it reports
-    live: bool = True
+    # When this app posted each event not yet seen in a block (event id -> time): the key -> frame figure.
+    posted: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    live: bool = True  # False once this app closed the world or the stream saw it close: frees the claim
     ended_at: float | None = None
-    closing_reason: str | None = None  # set when this app closed the session (stop, idle, tab closed)
     streaming: bool = True  # its generator is running (and may still write segments)
     discarded: bool = False  # its viewer left: delete the recording once nothing writes to it
 
@@ -382,11 +270,11 @@ class LiveService:
         claim = self._claim(viewer, address)
         ticket_id, record = None, None
         try:
-            image, prompt, seed = await self._call(self._check_start, image, prompt, seed)
+            request = await self._call(self._parse_start, image, prompt, seed)
             self._background(self.sweep)
             watch = _ReadWatch(unread, self.clock, self.config.unread_timeout_s)
             while True:
-                ticket = await self._admit(image, prompt, seed, ticket_id)
+                ticket = await self._admit(request, ticket_id)
                 if ticket.admission is Admission.ADMITTED:
                     ticket_id = None
                     break
@@ -430,13 +318,11 @@ class LiveService:
             claim.released = True
             self._registry.claims = [c for c in self._registry.claims if c.held]
 
-    async def _admit(self, image, prompt: str, seed: int, ticket_id: str | None):
-        future = asyncio.ensure_future(self._call(self.engine.admit, image, prompt, seed, ticket_id))
+    async def _admit(self, request: requests.StartRequest, ticket_id: str | None):
+        future = asyncio.ensure_future(self._call(self.engine.admit, request, ticket_id))
         try:
             return await asyncio.shield(future)
         except AdmissionRefused as exc:
-            raise StreamError(str(exc)) from None
-        except ValueError as exc:  # the image or prompt failed inside the session start
             raise StreamError(str(exc)) from None
         except asyncio.CancelledError:
             # The admission goes on in its thread; a session it opens has no viewer left, so close it.
@@ -453,83 +339,85 @@ class LiveService:
             self._background(self.engine.withdraw, ticket.ticket_id)
 
     async def _blocks(self, record: _Record, watch: _ReadWatch) -> AsyncIterator[StreamUpdate]:
+        """Drain the session's outbox, paced to the viewer's playhead, until the engine says it closed."""
         cfg = self.config
         clock = PlaybackClock(cfg.delivery_s)
         session_id = record.session_id
         abandoned = f"nobody read the stream for {cfg.unread_timeout_s:g} s"
         just_sent = True  # an update was sent and nothing awaited since: its reader may not have had a turn
+        block_s = None  # how long a block takes to make (a running average), once one was made
+        paced_at = None  # when the engine was last told to start the next block (None: not since the last block)
         while True:
-            if not record.live:  # closed by this app: Stop, tab closed, shutdown
-                yield StreamUpdate(None, f"stopped: {record.closing_reason}", session_id, True)
-                return
-            now = self.clock()
-            if now - record.last_input > cfg.input_idle_s:
-                reason = f"no input for {cfg.input_idle_s:.0f} s"
-                await self._call(self._end, record, reason)
-                yield StreamUpdate(None, f"stopped: {reason}; press Start to play again", session_id, True)
-                return
             if not just_sent and watch.abandoned():  # nobody reads (a fire-and-forget API call): free the seat
                 await self._call(self._end, record, abandoned)
                 return
             just_sent = False
+            now = self.clock()
             if record.playhead is not None:
                 clock.observe(record.playhead[1], record.playhead[0])
-            wait = clock.wait_before_next(now, cfg.lead_s)
-            if wait > 0:
-                await asyncio.sleep(min(wait, cfg.poll_s))
-                continue
+            if record.live and block_s is not None:
+                # Just in time: the next block starts so that it reaches this stream `lead_s` before the player
+                # runs dry, and so applies every key pressed until then (a playhead report may move it).
+                start_in = clock.wait_before_next(now, cfg.lead_s + block_s)
+                if paced_at is None or abs(now + start_in - paced_at) > cfg.repace_s:
+                    with contextlib.suppress(UnknownSession):  # closed: next_message says why
+                        await self._call(self.engine.pace, session_id, start_in)
+                    paced_at = now + start_in
             try:
                 message = await self._call(self.engine.next_message, session_id, cfg.poll_s)
-            except UnknownSession:
-                yield StreamUpdate(None, f"stopped: {record.closing_reason or 'the session was closed'}",
-                                   session_id, True)
+            except UnknownSession:  # closed so long ago that the engine forgot why
+                self._mark_ended(record)
+                yield StreamUpdate(None, "stopped: the session was closed", session_id, True)
                 return
             if message is None:
                 continue
-            if isinstance(message, ErrorMessage):
-                if message.fatal:
-                    text = record.closing_reason or message.text.removeprefix("session closed: ")
-                    yield StreamUpdate(None, f"stopped: {text}", session_id, True)
-                    return
+            if isinstance(message, Closed):
+                self._mark_ended(record)
+                hint = "; press Start to play again" if message.idle else ""
+                yield StreamUpdate(None, f"stopped: {message.reason}{hint}", session_id, True)
+                return
+            if isinstance(message, Failed):
                 hint = "; press a key or Reset to try again" if message.waiting_for_input else "; the world goes on"
                 yield StreamUpdate(None, message.text + hint, session_id)
                 just_sent = True
                 continue
-            if message.block_index == 0 and record.recording.segments:  # a reset started a new world
-                record.recording.new_world()
-                record.replay = await self._replay(session_id)
+            if isinstance(message, NewWorld):
+                await self._call(record.recording.new_world, message.replay)
+                continue
+            made_s = 1.1 * message.block_ms / 1000.0 + cfg.block_margin_s  # the block, its pixels, the scheduling
+            block_s = made_s if block_s is None else 0.7 * block_s + 0.3 * made_s
+            paced_at = None  # taking it held the next block back until the next `pace`
             try:
                 segment, frames = await self._call(self._record_block, record, message)
             except OSError:
                 if record.live:
                     raise
-                continue  # the viewer left and its recording went with it: the loop ends above
-            telemetry = await self._call(self._telemetry, message, frames, session_id)
+                continue  # the viewer left and its recording went with it: the engine's Closed comes next
+            clock.on_sent(frames / self.fps, self.clock())
+            # Key -> frame: from the first of this block's events reaching the server to the block's first frame
+            # on screen (estimated as the playback clock places it).
+            posted = [t for t in (record.posted.pop(i, None) for i in message.event_ids) if t is not None]
+            shows_at = clock.origin + clock.sent_s - frames / self.fps
+            key_ms = 1000.0 * (shows_at - min(posted)) if posted else None
+            telemetry = await self._call(self._telemetry, message, frames, session_id, key_ms)
             if watch.abandoned():  # sampled after the awaits above, so a reader has had its turn
                 await self._call(self._end, record, abandoned)
                 return
-            clock.on_sent(frames / self.fps, self.clock())
             yield StreamUpdate(segment, telemetry, session_id, block=message)
             just_sent = True
 
-    def _record_block(self, record: _Record, message: BlockMessage) -> tuple[Path, int]:
+    def _record_block(self, record: _Record, message: Block) -> tuple[Path, int]:
         """Encode one block as the next segment of the recording; returns it and its frame count."""
-        return record.recording.add(message.pixels, self.fps), len(message.pixels)
+        return record.recording.add(message.pixels, self.fps, message.replay_entry), len(message.pixels)
 
-    def _telemetry(self, message: BlockMessage, frames: int, session_id: str) -> str:
+    def _telemetry(self, message: Block, frames: int, session_id: str, key_ms: float | None = None) -> str:
         try:
             status = self.engine.session_status(session_id)
         except UnknownSession:
             status = None
         if status is not None and status["status"] == SessionStatus.CLOSED.value:
             status = None  # closed since this block was made: no memory or queue figures to show
-        return telemetry_line(message, frames, self.fps, status, self.engine.stats())
-
-    async def _replay(self, session_id: str):
-        try:
-            return await self._call(self.engine.replay, session_id)
-        except UnknownSession:
-            return None
+        return telemetry_line(message, frames, self.fps, status, self.engine.stats(), key_ms=key_ms)
 
     def _background(self, fn, *args) -> None:
         """Run a cleanup without waiting for it (it may wait on the engine's model lock)."""
@@ -538,11 +426,14 @@ class LiveService:
         except RuntimeError:  # shut down already: run it here
             fn(*args)
 
-    def _check_start(self, image, prompt, seed) -> tuple[Any, str, int]:
-        """check_start behind the decode gate: however many clients upload at once, at most
-        `decode_slots` pictures are decoded together (each may take ~150 MiB and most of a core)."""
+    def _parse_start(self, image, prompt, seed) -> requests.StartRequest:
+        """The start's one parse (requests.parse_start) behind the decode gate: however many clients upload at
+        once, at most `decode_slots` pictures are decoded together (each may take ~150 MiB and most of a core)."""
         with self._decode_gate:
-            return check_start(image, prompt, seed, self.model_config)
+            try:
+                return requests.parse_start(image, prompt, seed, self.model_config)
+            except ValueError as exc:  # ImageError, PromptError, RequestError: their messages name the problem
+                raise StreamError(str(exc)) from None
 
     async def _call(self, fn, *args):
         """Run a blocking call (engine locks, encoding) off the event loop."""
@@ -551,12 +442,7 @@ class LiveService:
     # -- bookkeeping -------------------------------------------------------------------------------
 
     def _register(self, session_id: str, viewer: str | None) -> _Record:
-        recording = Recording(self.recordings_root / session_id)
-        record = _Record(session_id, viewer, recording, last_input=self.clock())
-        try:
-            record.replay = self.engine.replay(session_id)
-        except UnknownSession:
-            pass
+        record = _Record(session_id, viewer, Recording(self.recordings_root / session_id))
         with self._registry.lock:
             self._registry.records[session_id] = record
         return record
@@ -574,13 +460,15 @@ class LiveService:
                               "only that one may control or download it")
         return record
 
-    def _end(self, record: _Record, reason: str) -> None:
-        """Close the engine session (idempotent); the recording stays for the download unless discarded."""
-        if record.closing_reason is None:
-            record.closing_reason = reason
+    def _mark_ended(self, record: _Record) -> None:
         if record.live:
             record.live = False
             record.ended_at = self.clock()
+
+    def _end(self, record: _Record, reason: str) -> None:
+        """Close the engine session (idempotent: the first reason given stays); the recording stays for the
+        download unless discarded."""
+        self._mark_ended(record)
         self.engine.close(record.session_id, reason)
         if record.discarded and not record.streaming:
             shutil.rmtree(record.recording.root, ignore_errors=True)
@@ -606,17 +494,22 @@ class LiveService:
     def act(self, session_id: str, events, viewer: str | None = None) -> str:
         """Post one event or a list of them to a live session, in order."""
         record = self._record(session_id, viewer)
-        items = parse_actions(events)
-        for number, raw in enumerate(items):
+        try:
+            items = parse_actions(events, self.model_config.transformer.num_frames_per_block)
+        except EventError as exc:
+            raise StreamError(str(exc)) from None
+        for number, event in enumerate(items):
             try:
-                self.engine.post_event(record.session_id, raw)
+                self.engine.post_event(record.session_id, event)
+                record.posted[event.event_id] = self.clock()
+                while len(record.posted) > MAX_TRACKED_EVENTS:  # events no block applied (dropped, reset)
+                    record.posted.popitem(last=False)
             except EventError as exc:
                 done = f" ({number} earlier events of this call were queued)" if number else ""
                 raise StreamError(f"{exc}{done}") from None
-            except UnknownSession:
+            except UnknownSession as exc:
                 raise StreamError(f"session {record.session_id} is not running "
-                                  f"({record.closing_reason or 'it was closed'}); press Start") from None
-        record.last_input = self.clock()
+                                  f"({exc.reason or 'it was closed'}); press Start") from None
         return f"queued {len(items)} event(s)"
 
     def report_playhead(self, session_id: str, playhead_s, viewer: str | None = None) -> None:
@@ -638,15 +531,12 @@ class LiveService:
     def reset(self, session_id: str, image, prompt, seed, viewer: str | None = None) -> str:
         """A new world (image, prompt, seed) in the same session and the same stream."""
         record = self._record(session_id, viewer)
-        image, prompt, seed = self._check_start(image, prompt, seed)
+        request = self._parse_start(image, prompt, seed)
         try:
-            self.engine.reset(record.session_id, image, prompt, seed)
+            self.engine.reset(record.session_id, request)
         except UnknownSession:
             raise StreamError("the session is not running; press Start") from None
-        except ValueError as exc:
-            raise StreamError(str(exc)) from None
-        record.last_input = self.clock()
-        return f"reset: a new world from seed {seed}"
+        return f"reset: a new world from seed {request.seed}"
 
     def download(self, session_id: str, viewer: str | None = None) -> tuple[Path, Path]:
         """The current world so far (or as it ended) as one MP4, and its replay JSON cut to the same blocks.
@@ -662,11 +552,10 @@ class LiveService:
         out_dir.mkdir()
         stem = f"lingbot-{record.session_id[:8]}-world{record.recording.world}"
         mp4 = out_dir / f"{stem}.mp4"
-        blocks = record.recording.export_mp4(mp4)
-        replay = json.loads(record.replay.to_json()) if record.replay is not None else {"blocks": []}
-        replay["blocks"] = replay["blocks"][:blocks]  # the engine may have run a block past the video
+        if not record.recording.export_mp4(mp4):
+            raise StreamError("nothing has been generated yet; press Start and wait for the first block")
         replay_path = out_dir / f"{stem}-replay.json"
-        replay_path.write_text(json.dumps(replay, indent=1))
+        replay_path.write_text(record.recording.replay.to_json())  # built from the blocks the video shows
         return mp4, replay_path
 
     def close_viewer(self, viewer: str | None) -> int:

@@ -1,7 +1,7 @@
 """Ground truth beside a live stream: the true scene along the camera path each block was generated on.
 
 For a session started from a world's start picture (lingbot_core/world/examples.py), each block the
-engine sends carries its camera path (`BlockMessage.poses`, one pose per latent frame, and
+engine sends carries its camera path (`Block.poses`, one pose per latent frame, and
 `start_pose`, the pose before the block). The decoded block shows pixel frames; they map to latent
 poses as in `trajectory.py`: pixel frame 4k is latent pose k and the three frames before it are
 interpolated from latent pose k-1. So block 0 (latent frames 0..2) is 9 pixel frames starting at
@@ -219,7 +219,7 @@ class GroundTruthView:
         self._next_world = (world_seed,)
 
     def submit(self, block) -> str:
-        """Start the ground truth of `block` (a BlockMessage); returns a note for the telemetry line, or ''."""
+        """Start the ground truth of `block` (an engine Block); returns a note for the telemetry line, or ''."""
         if block.block_index == 0 and self._next_world is not None:
             (self.world_seed,), self._next_world = self._next_world, None
             self.pending = None  # the old world's last truth would show after the new world began: dropped

@@ -1,4 +1,5 @@
-"""Page bookkeeping for the shared KV pool: ids, a free list and a usage gauge. No torch here.
+"""Page bookkeeping for a KV pool: ids, a free list and a usage gauge. No torch here: the pool's tensors are
+lingbot_core/kv_cache.py's; the engine owns the allocator of its shared pool and admits by it.
 
 A page holds one latent frame of K/V for every layer. Running out is a return value (None), not an
 exception, so admission can answer "later"; freeing a page that is not in use is a bug and raises.
@@ -32,6 +33,9 @@ class PageAllocator:
     @property
     def usage(self) -> float:
         return self.num_in_use / self.num_pages
+
+    def can_allocate(self, count: int) -> bool:
+        return 0 <= count <= len(self._free)
 
     def allocate(self, count: int) -> list[int] | None:
         """`count` page ids, or None when the pool cannot supply them all (nothing is taken then)."""
