@@ -4,8 +4,9 @@ A cold `torch.compile` of the embedded model takes minutes on a CPU, and the com
 only once its graphs exist. A `CompileSwitch` keeps both paths for the transformer blocks and the VAE
 decoder step: the model thread runs eager while a build (in this thread or a background one) runs a short
 warm-up rollout on the compiled path, which makes dynamo trace and inductor build every graph a rollout
-will need, one per attention-context length (none, then one more block of frames each block until the
-window is full) and per decoder-cache fill. The model thread calls `at_block_boundary()` before each block;
+will need: one for the transformer block (a block reads its attention context from a fixed-size window
+with a validity mask, kv_cache.py, so the shape never changes as the window fills and slides) and one
+per decoder-cache fill. The model thread calls `at_block_boundary()` before each block;
 the first call after the build finished switches it to compiled, so no block ever mixes the two paths.
 
 The compiled path of a block is what `nn.Module.compile` installs (`torch.compile(block._call_impl)` as
@@ -46,7 +47,7 @@ class CompileSwitch:
 
     def __init__(self, blocks: Sequence[torch.nn.Module], compile_fn: CompileFn = torch.compile,
                  **compile_options: Any) -> None:
-        compile_options.setdefault("dynamic", False)  # static shapes: one graph per context length
+        compile_options.setdefault("dynamic", False)  # static shapes: the context window has a fixed size
         self._eager_blocks = [block._call_impl for block in blocks]
         self._compiled_blocks = [compile_fn(block._call_impl, **compile_options) for block in blocks]
         self._compiled_decode = compile_fn(decode_latent_frame, **compile_options)
@@ -139,8 +140,9 @@ class _BlockDispatch:
 
 
 def warm_blocks(num_frames_per_block: int, context_lengths: Callable[[int], int]) -> int:
-    """Blocks a warm-up rollout needs to meet every graph: until the context length (frames before the
-    block that it attends to) stops changing, and at least two (the decoder cache fills during block 0)."""
+    """Blocks a warm-up rollout runs: until the context length (frames before the block that it attends
+    to, i.e. the window's validity mask) stops changing, and at least two (the decoder cache fills during
+    block 0). The window's shape is fixed, so this checks one graph on every mask pattern a rollout meets."""
     block = 0
     while context_lengths((block + 1) * num_frames_per_block) != context_lengths(block * num_frames_per_block):
         block += 1
