@@ -36,6 +36,7 @@ from lingbot_core.serving.engine import (
     Failed,
     NewWorld,
     UnknownSession,
+    Waiting,
 )
 from lingbot_core.serving.memory import held_bytes
 from lingbot_core.serving.session import Replay, Session
@@ -158,18 +159,19 @@ def test_admission_by_bytes_waits_in_line_then_refuses(pipe, image, clock):
         engine.admit(_request(image, PROMPT, 0))
     assert engine.stats()["waiting"] == 2
 
-    engine.close(first)
-    # The second in line may not jump ahead of the first.
-    assert engine.admit(_request(image, PROMPT, 0), ticket_id=t2.ticket_id).position == 1 + 1
-    admitted = engine.admit(_request(image, PROMPT, 0), ticket_id=t1.ticket_id)
-    assert admitted.admission is Admission.ADMITTED
-    # The first ticket is gone; the second is now first, but there is no room.
-    assert engine.admit(_request(image, PROMPT, 0), ticket_id=t2.ticket_id).position == 1
-    # A ticket not polled for ticket_ttl_s leaves the line; polling it again joins at the back.
+    engine.close(first)  # the engine seats the first in line itself; the second may not jump ahead
+    assert t1.session_id in engine.session_ids() and t2.session_id not in engine.session_ids()
+    assert engine.next_message(t1.session_id, timeout=0) == Waiting(1)  # its unread place, then its world
+    assert isinstance(engine.next_message(t1.session_id, timeout=0), NewWorld)
+    # The first place is gone; the second is now first, but there is no room.
+    assert [engine.next_message(t2.session_id, timeout=0) for _ in range(3)] == [Waiting(2), Waiting(1), None]
+    # A place whose outbox nobody reads for ticket_ttl_s leaves the line with a Closed message.
     clock.now += 31
-    assert engine.admit(_request(image, PROMPT, 0)).position == 1
-    assert engine.admit(_request(image, PROMPT, 0), ticket_id=t2.ticket_id).position == 2
+    t3 = engine.admit(_request(image, PROMPT, 0))
+    assert t3.position == 1 and engine.stats()["waiting"] == 1
+    assert "left the line" in engine.next_message(t2.session_id, timeout=0).reason
     engine.shutdown()
+    assert engine.next_message(t3.session_id, timeout=0) == Closed("server shutting down")
     assert engine.pool.allocator.num_in_use == 0 and second not in engine.session_ids()
 
 
@@ -422,6 +424,40 @@ def test_idle_ttl_closes_a_session_and_tells_its_consumer(pipe, image, clock):
     engine.shutdown()
 
 
+def test_a_queued_viewer_is_told_its_place_as_it_moves_up_then_gets_its_world(pipe, image, clock):
+    """Gap of the redesign: the line is messages, not polling. A place receives Waiting(position) on joining and
+    at each change, in decreasing order, then NewWorld once the engine seats it, then its blocks."""
+    engine = _engine(pipe, clock, max_sessions=1, max_waiting=3, evictable_after_s=1000)
+    seated = _admit(engine, image)
+    places = [engine.admit(_request(image, PROMPT, seed)) for seed in (1, 2, 3)]
+    assert [(t.admission, t.position) for t in places] == [(Admission.WAITING, p) for p in (1, 2, 3)]
+    first, second, third = (t.session_id for t in places)
+    received = []
+
+    def drain(session_id):
+        while (message := engine.next_message(session_id, timeout=0)) is not None:
+            received.append(message)
+            if isinstance(message, NewWorld):
+                return
+
+    drain(third)
+    assert received == [Waiting(3)]
+    engine.close(seated)  # a seat frees: the engine seats the first in line itself
+    engine.close(second, "the viewer left the line")  # someone ahead leaves
+    assert engine.session_ids() == [first] and engine.stats()["waiting"] == 1
+    drain(third)
+    assert received == [Waiting(3), Waiting(2), Waiting(1)]
+    assert engine.next_message(second, timeout=0) == Closed("the viewer left the line")
+    engine.close(first)
+    drain(third)
+    assert received[:3] == [Waiting(3), Waiting(2), Waiting(1)] and isinstance(received[3], NewWorld)
+    assert len(received) == 4 and engine.session_ids() == [third]
+    assert engine.run_once() == third
+    assert isinstance(engine.next_message(third, timeout=0), Block)
+    engine.shutdown()
+    assert engine.pool.allocator.num_in_use == 0
+
+
 def test_lru_idle_session_is_evicted_for_a_newcomer(pipe, image, clock):
     engine = _engine(pipe, clock, max_sessions=2, evictable_after_s=10, idle_ttl_s=1000)
     old, recent = _admit(engine, image), _admit(engine, image)
@@ -431,13 +467,17 @@ def test_lru_idle_session_is_evicted_for_a_newcomer(pipe, image, clock):
     engine.post_event(recent, {"event_id": 0, "keys": ["w"]})
     ticket = engine.admit(_request(image, PROMPT, 1))
     assert ticket.admission is Admission.WAITING  # nobody idle long enough yet
-    clock.now += 6  # old idle 11 s, recent 6 s
-    newcomer = engine.admit(_request(image, PROMPT, 1), ticket_id=ticket.ticket_id)
-    assert newcomer.admission is Admission.ADMITTED
-    assert set(engine.session_ids()) == {recent, newcomer.session_id}
+    clock.now += 5.5  # old idle 10.5 s, recent 5.5 s
+    engine.next_message(ticket.session_id, timeout=0)  # its consumer reads its place (Waiting(1))
+    clock.now += 0.5
+    # The engine seats the line before each block, evicting `old`; then the newcomer runs (`recent`'s block 0
+    # waits untaken in its outbox).
+    assert engine.run_once() == ticket.session_id
+    assert set(engine.session_ids()) == {recent, ticket.session_id}
+    assert isinstance(engine.next_message(ticket.session_id, timeout=0), NewWorld)
     assert "evicted" in _take(engine, old).reason
     window = CONFIG.transformer.sliding_window_num_frames - BLOCK
-    assert engine.pool.allocator.num_in_use == BLOCK  # only `recent`'s block 0 pages remain
+    assert engine.pool.allocator.num_in_use == 2 * BLOCK  # `recent`'s and the newcomer's block 0 pages
     assert engine.pool.allocator.num_pages == 2 * window + BLOCK
     engine.shutdown()
     assert engine.pool.allocator.num_in_use == 0

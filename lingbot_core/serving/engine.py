@@ -5,14 +5,16 @@
   K/V, condition encoder and decoder state, finished blocks waiting for the consumer) and the bytes one
   running block adds (its pages, the pending encoder/decoder/text state, scratch). A newcomer is
   admitted only if   block reserve + condition reserve + (sessions + 1) x session bytes <= budget;
-  otherwise it gets a place in line (poll `admit` with the ticket id) or, with the line full, a clear
-  refusal. The KV page pool is sized from the same sum, so an admitted session never runs out of pages.
+  otherwise it gets a place in line or, with the line full, a clear refusal. A place in line is an outbox
+  under the id the session will have: it receives Waiting(position) on joining and whenever its place
+  changes, and the engine itself seats the first in line (on the model thread) once room frees, so the
+  next message is the session's NewWorld. Nobody polls. The KV page pool is sized from the same sum, so an admitted session never runs out of pages.
 - Condition streams, once per picture: sessions that start from the same pixels read one shared
   condition stream (lingbot_core/condition_cache.py), so its encoder warm-up runs once per process.
   Each session is still charged a stream of its own; streams kept for pictures no session reads now
   stay within the condition reserve (`condition_cache_bytes`).
 - One owner: the engine holds every session's state; its consumer learns of it only from the tagged
-  messages of the session's outbox (NewWorld, Block, Failed, Closed), in order, and keeps nothing else.
+  messages of the session's outbox (Waiting, NewWorld, Block, Failed, Closed), in order, and keeps nothing else.
 - Scheduling: one worker advances sessions one block at a time, round-robin at block boundaries. A
   session runs at most `max_lead_blocks` blocks ahead of its consumer, so an idle viewer costs no
   compute; a consumer that paces its session (`pace`) has each block started just in time instead.
@@ -94,8 +96,8 @@ class EngineConfig:
     max_lead_blocks: int = 1  # blocks a session may run ahead of its consumer
     idle_ttl_s: float = 120.0  # no input (events or a reset) for this long closes a session (the one idle policy)
     evictable_after_s: float = 10.0  # idle this long: may be evicted (LRU) to admit a newcomer
-    max_waiting: int = 8  # tickets in line before newcomers are refused
-    ticket_ttl_s: float = 30.0  # a waiting ticket not polled for this long leaves the line
+    max_waiting: int = 8  # places in line before newcomers are refused
+    ticket_ttl_s: float = 30.0  # a place in line whose outbox nobody reads for this long leaves the line
     max_queued_events: int = 64
     worker_poll_s: float = 0.5  # the idle worker wakes this often to apply the TTL
     remembered_closes: int = 256  # closed ids whose reason is still reported to late callers
@@ -118,13 +120,20 @@ class Admission(enum.Enum):
 @dataclass(frozen=True)
 class Ticket:
     admission: Admission
-    session_id: str | None = None  # set when admitted
-    ticket_id: str | None = None  # set when waiting: poll `admit` again with it
-    position: int | None = None  # 1 = next in line
+    session_id: str  # the outbox to read (`next_message`): the session's, or while waiting its place in line's
+    position: int | None = None  # when waiting: 1 = next in line (later places come as Waiting messages)
 
 
 # ---------------------------------------------------------------------------------------------
 # What a session's consumer receives, in order, from its outbox (`next_message`)
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """The consumer's place in line (1 = next): once on joining, then whenever it changes. NewWorld follows
+    when the engine seats it; Closed if it leaves the line (withdrawn, unread for ticket_ttl_s, shutdown)."""
+
+    position: int
 
 
 @dataclass(frozen=True)
@@ -178,15 +187,29 @@ class Closed:
     idle: bool = False  # closed by the idle policy (no input for idle_ttl_s), not by anyone's request
 
 
-Message = NewWorld | Block | Failed | Closed
+Message = Waiting | NewWorld | Block | Failed | Closed
+
+
+class _Queued:
+    """A place in line: the parsed request the engine will open a session from, and the outbox its consumer
+    reads meanwhile (under the id the session will have)."""
+
+    def __init__(self, request: StartRequest, now: float) -> None:
+        self.request = request
+        self.outbox: deque[Message] = deque()
+        self.position = 0  # the last position posted (0: none yet)
+        self.seen = now  # last time its consumer read (or waited on) the outbox: the line's TTL
+        self.readers = 0  # consumers waiting in next_message now: a place being watched never expires
 
 
 class _Live:
     """The engine's bookkeeping around one session."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, unread: deque[Message] | None = None) -> None:
         self.session = session
-        self.outbox: deque[Message] = deque([NewWorld(session.replay)])
+        # Waiting messages its consumer has not read yet come first, then the world.
+        self.outbox: deque[Message] = deque(unread or ())
+        self.outbox.append(NewWorld(session.replay))
         self.waiting_for_input = False  # after a failure: do not retry until something changes
         # Just in time (`pace`): once its consumer paces it, a session's next block starts no earlier than
         # this (engine clock), and a taken block holds the next one back until the consumer says when.
@@ -209,7 +232,7 @@ class Engine:
         self._log = log
         self.clock = clock
         self._sessions: OrderedDict[str, _Live] = OrderedDict()  # round-robin order
-        self._waiting: OrderedDict[str, float] = OrderedDict()  # ticket id -> last poll time
+        self._waiting: OrderedDict[str, _Queued] = OrderedDict()  # the line, first first, by future session id
         self._closed: OrderedDict[str, Closed] = OrderedDict()  # recently closed id -> why
         self._step_lock = threading.Lock()
         self._lock = threading.RLock()
@@ -284,8 +307,9 @@ class Engine:
         return plan.fits(len(sessions) + 1) and self.pages.can_allocate(
             still_to_fill + plan.pages_per_session + max(plan.block_pages - running_block, 0))
 
-    def admit(self, request: StartRequest, ticket_id: str | None = None) -> Ticket:
-        """Open a session if it fits; otherwise a place in line (poll again with the ticket id).
+    def admit(self, request: StartRequest) -> Ticket:
+        """Open a session if it fits and nobody is ahead in line; otherwise a place in line, whose outbox
+        (`next_message` with the ticket's session_id) tells its position and then the new world.
 
         `request` was parsed at the boundary (lingbot_core/requests.py: picture fitted, prompt cleaned), on
         the caller's thread, never the model thread. Raises AdmissionRefused when the line is full.
@@ -293,58 +317,83 @@ class Engine:
         with self._lock:
             if self._stopped:
                 raise AdmissionRefused("the server is shutting down")
-            ticket_id = self._line_up_locked(ticket_id)
-            if not self._first_and_room_locked(ticket_id):
-                return self._waiting_ticket_locked(ticket_id)
-        return self._on_model_thread(lambda: self._open_session(ticket_id, request))
+            self._expire_tickets_locked()
+            if self._waiting or not self._room_locked():
+                return self._join_line_locked(request)
+        return self._on_model_thread(lambda: self._open_session(request))
 
-    def withdraw(self, ticket_id: str | None) -> None:
-        """Leave the line at once (the viewer went away), rather than after ticket_ttl_s."""
-        with self._lock:
-            if ticket_id is not None and self._waiting.pop(ticket_id, None) is not None:
-                self._changed.notify_all()
-
-    def _open_session(self, ticket_id: str | None, request: StartRequest) -> Ticket:
+    def _open_session(self, request: StartRequest) -> Ticket:
         """The admission's model work; runs under the step lock, so no block or other admission interleaves."""
         with self._lock:
             # Another admission may have taken the room while this one waited for the model thread.
-            ticket_id = self._line_up_locked(ticket_id)
-            if not self._first_and_room_locked(ticket_id):
-                return self._waiting_ticket_locked(ticket_id)
+            if self._waiting or not self._room_locked():
+                return self._join_line_locked(request)
+        session_id = uuid.uuid4().hex
+        self._seat(session_id, request, None)
+        return Ticket(Admission.ADMITTED, session_id=session_id)
+
+    def _seat(self, session_id: str, request: StartRequest, queued: _Queued | None) -> None:
+        """Open a session (model work: step lock held, table lock not), evicting the LRU idle one if the
+        room is only there once it goes. A place in line stays in the line (its consumer reads it there)
+        until its session is in the table, so the id always names one or the other."""
+        with self._lock:
             if not self._fits_locked():
                 self._evict_lru_idle_locked()
-            self._waiting.pop(ticket_id, None)
-        # Model work outside the table lock, so input and status calls are not held up.
-        session_id = uuid.uuid4().hex
         session = Session(session_id, self.pipeline, self.pool, request, self.config.max_queued_events, self.clock,
                           self.footprint, self.conditions)
         with self._lock:
-            self._sessions[session_id] = _Live(session)
+            if queued is not None:
+                if self._waiting.get(session_id) is not queued:  # it left the line meanwhile
+                    session.close()
+                    return
+                del self._waiting[session_id]
+                self._post_positions_locked()
+            self._sessions[session_id] = _Live(session, queued.outbox if queued is not None else None)
             self._changed.notify_all()
-        return Ticket(Admission.ADMITTED, session_id=session_id)
 
-    def _line_up_locked(self, ticket_id: str | None) -> str | None:
-        self._expire_tickets_locked()
-        if ticket_id is not None and ticket_id not in self._waiting:
-            return None  # expired or unknown: a fresh place at the back
-        if ticket_id is not None:
-            self._waiting[ticket_id] = self.clock()
-        return ticket_id
+    def _seat_waiting(self) -> None:
+        """Seat the line, first first, while there is room (model thread, step lock held): after a close, an
+        expiry or an eviction made some, and before each block."""
+        while True:
+            with self._lock:
+                self._expire_tickets_locked()
+                if self._stopped or not self._waiting or not self._room_locked():
+                    return
+                session_id, queued = next(iter(self._waiting.items()))
+            try:
+                self._seat(session_id, queued.request, queued)
+            except Exception as exc:  # this request cannot start (e.g. out of memory); the line goes on
+                log.warning("session %s could not start: %s", session_id, repr(exc))
+                self.withdraw(session_id, f"the world could not start: {type(exc).__name__}: {str(exc)[:300]}")
 
-    def _first_and_room_locked(self, ticket_id: str | None) -> bool:
-        first = next(iter(self._waiting), None)
-        if first is not None and first != ticket_id:
-            return False
+    def withdraw(self, session_id: str, reason: str = "left the line") -> bool:
+        """Leave the line at once (the viewer went away), rather than after ticket_ttl_s; whether it was in it."""
+        with self._lock:
+            if self._waiting.pop(session_id, None) is None:
+                return False
+            self._remember_closed_locked(session_id, Closed(reason))
+            self._post_positions_locked()
+            return True
+
+    def _room_locked(self) -> bool:
         return self._fits_locked() or self._lru_idle_locked() is not None
 
-    def _waiting_ticket_locked(self, ticket_id: str | None) -> Ticket:
-        if ticket_id is None:
-            if len(self._waiting) >= self.config.max_waiting:
-                raise AdmissionRefused(f"the server is full ({len(self._sessions)} worlds running, "
-                                       f"{len(self._waiting)} waiting); try again in a minute")
-            ticket_id = uuid.uuid4().hex
-            self._waiting[ticket_id] = self.clock()
-        return Ticket(Admission.WAITING, ticket_id=ticket_id, position=list(self._waiting).index(ticket_id) + 1)
+    def _join_line_locked(self, request: StartRequest) -> Ticket:
+        if len(self._waiting) >= self.config.max_waiting:
+            raise AdmissionRefused(f"the server is full ({len(self._sessions)} worlds running, "
+                                   f"{len(self._waiting)} waiting); try again in a minute")
+        session_id = uuid.uuid4().hex
+        self._waiting[session_id] = _Queued(request, self.clock())
+        self._post_positions_locked()
+        return Ticket(Admission.WAITING, session_id=session_id, position=len(self._waiting))
+
+    def _post_positions_locked(self) -> None:
+        """Tell each place in line whose position changed (or was never told) where it stands now."""
+        for position, queued in enumerate(self._waiting.values(), start=1):
+            if queued.position != position:
+                queued.position = position
+                queued.outbox.append(Waiting(position))
+        self._changed.notify_all()
 
     def _lru_idle_locked(self) -> str | None:
         """The least recently used session idle long enough to be evicted, if any."""
@@ -362,10 +411,15 @@ class Engine:
         return True
 
     def _expire_tickets_locked(self) -> None:
-        now = self.clock()
-        for ticket_id, seen in list(self._waiting.items()):
-            if now - seen > self.config.ticket_ttl_s:
-                del self._waiting[ticket_id]
+        """A place in line whose outbox nobody has read or waited on for ticket_ttl_s leaves the line."""
+        now, ttl = self.clock(), self.config.ticket_ttl_s
+        expired = [session_id for session_id, queued in self._waiting.items()
+                   if queued.readers == 0 and now - queued.seen > ttl]
+        for session_id in expired:
+            del self._waiting[session_id]
+            self._remember_closed_locked(session_id, Closed(f"left the line: nobody waited for {ttl:.0f} s"))
+        if expired:
+            self._post_positions_locked()
 
     # -- per-session verbs -------------------------------------------------------------------------
 
@@ -401,30 +455,41 @@ class Engine:
         self._on_model_thread(work)
 
     def next_message(self, session_id: str, timeout: float | None = None) -> Message | None:
-        """The next message for this session's consumer; None on timeout (0: do not wait).
-
-        A closed session answers with its Closed message (an id never seen raises UnknownSession).
-        """
+        """The next message for this session's consumer (or its place in line's); None on timeout (0: do not
+        wait). A closed session, or a place that left the line, answers with its Closed message (an id never
+        seen raises UnknownSession). Seating moves a place's unread messages into the session's outbox."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            live = self._sessions.get(session_id)
-            if live is None:
-                return self._closed_message(session_id)
-            live.session.last_consumed = self.clock()  # waiting for video counts as watching
-            while True:
-                if live.outbox:
-                    message = live.outbox.popleft()
-                    live.session.last_consumed = self.clock()
-                    if live.paced and isinstance(message, Block):
-                        live.start_at = float("inf")  # the next block waits for its consumer's `pace`
-                    self._changed.notify_all()  # room in the outbox: the worker may run this session
-                    return message
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                self._changed.wait(remaining)
-                if session_id not in self._sessions and not live.outbox:  # closed while waiting, Closed taken
-                    return self._closed_message(session_id)
+            reading: _Queued | None = None  # the place in line this call counts as watched, if any
+            try:
+                while True:
+                    holder = self._sessions.get(session_id) or self._waiting.get(session_id)
+                    if holder is not reading and reading is not None:
+                        reading.readers -= 1  # seated or gone: no longer this place's reader
+                        reading = None
+                    if holder is None:  # closed, or left the line (its Closed comes from the table)
+                        return self._closed_message(session_id)
+                    if isinstance(holder, _Live):
+                        holder.session.last_consumed = self.clock()  # waiting for video counts as watching
+                    else:
+                        holder.seen = self.clock()
+                        if reading is None:
+                            reading = holder
+                            holder.readers += 1
+                    if holder.outbox:
+                        message = holder.outbox.popleft()
+                        if isinstance(holder, _Live) and holder.paced and isinstance(message, Block):
+                            holder.start_at = float("inf")  # the next block waits for its consumer's `pace`
+                        self._changed.notify_all()  # room in the outbox: the worker may run this session
+                        return message
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return None
+                    self._changed.wait(remaining)
+            finally:
+                if reading is not None:
+                    reading.readers -= 1
+                    reading.seen = self.clock()
 
     def pace(self, session_id: str, start_in_s: float) -> None:
         """Just in time: start this session's next block `start_in_s` seconds from now (0 or less: at once),
@@ -445,10 +510,15 @@ class Engine:
         return closed
 
     def close(self, session_id: str, reason: str = "closed") -> None:
-        """Close a session (by the user, or on consumer disconnect); idempotent, returns every page."""
+        """Close a session (by the user, or on consumer disconnect), or take its place out of the line;
+        idempotent, returns every page, and seats whoever the room now fits."""
+        if self.withdraw(session_id, reason):
+            return
+
         def work() -> None:
             with self._lock:
                 self._close_locked(session_id, reason)
+            self._seat_waiting()
 
         self._on_model_thread(work)
 
@@ -458,9 +528,11 @@ class Engine:
         if live is None:
             return
         live.session.close()
-        closed = Closed(reason, idle)
         live.outbox.clear()  # finished blocks nobody will take: drop their frames now
-        live.outbox.append(closed)  # for a consumer waiting in next_message now
+        self._remember_closed_locked(session_id, Closed(reason, idle))
+
+    def _remember_closed_locked(self, session_id: str, closed: Closed) -> None:
+        """Why a session closed (or a place left the line), for its consumer's next_message and late callers."""
         self._closed[session_id] = closed
         while len(self._closed) > self.config.remembered_closes:
             self._closed.popitem(last=False)
@@ -552,8 +624,9 @@ class Engine:
         """
         with self._step_lock:
             with self._lock:
-                self._expire_tickets_locked()
                 self._expire_idle_locked()
+            self._seat_waiting()  # room an idle close, a departure or an eviction made
+            with self._lock:
                 picked = self._pick_locked()
                 if picked is None:
                     return None
@@ -635,7 +708,8 @@ class Engine:
         with self._step_lock, self._lock:
             for session_id in list(self._sessions):
                 self._close_locked(session_id, "server shutting down")
-            self._waiting.clear()
+            for session_id in list(self._waiting):
+                self.withdraw(session_id, "server shutting down")
 
     def __enter__(self) -> "Engine":
         return self

@@ -15,7 +15,7 @@ faster than they play. Where blocks take longer than they play, each starts at o
 waits for it anyway. The telemetry line shows each key's press -> frame latency as the stream
 estimates it.
 
-The stream only drains the engine's messages for its session (NewWorld, Block, Failed, Closed): the
+The stream only drains the engine's messages for its session (Waiting, NewWorld, Block, Failed, Closed): the
 world's state, its idle policy and its close reason are the engine's, and the recording builds the
 download's replay from the messages it received. Every way out (Stop, tab close, the viewer
 disconnecting, nobody reading the stream) closes the engine session; the engine's own closes (no
@@ -48,7 +48,7 @@ from .. import requests
 from ..events import EventError, parse_actions
 from ..user_text import quote
 from ..video import Recording
-from .engine import Admission, AdmissionRefused, Block, Closed, Engine, Failed, NewWorld, UnknownSession
+from .engine import Admission, AdmissionRefused, Block, Closed, Engine, Failed, NewWorld, UnknownSession, Waiting
 from .session import SessionStatus
 
 
@@ -70,7 +70,6 @@ class StreamConfig:
     block_margin_s: float = 0.05  # added to a block's measured time when its start is scheduled (pixels, queueing)
     repace_s: float = 0.02  # the engine is told a new start time when the estimate moves by more than this
     poll_s: float = 0.1  # longest single wait on the engine, so a stop or disconnect is noticed quickly
-    line_poll_s: float = 1.0  # how often a viewer waiting in line asks again (the engine drops silent tickets)
     keep_recordings_s: float = 1800.0  # an ended stream's segments stay downloadable this long
     keep_ended_stream_s: float = 60.0  # Gradio's in-memory copy of an ended stream (its HLS playlist) this long
     workers: int = 16  # threads for engine calls (they may wait on the model lock) and segment encoding
@@ -268,32 +267,40 @@ class LiveService:
         # The claim comes first, so one client cannot make the server decode many pictures at once; the
         # decode (the costly check) runs on a worker thread, at most `decode_slots` at a time.
         claim = self._claim(viewer, address)
-        ticket_id, record = None, None
+        queued, record = None, None  # queued: the session id while this stream waits in line
         try:
             request = await self._call(self._parse_start, image, prompt, seed)
             self._background(self.sweep)
             watch = _ReadWatch(unread, self.clock, self.config.unread_timeout_s)
-            while True:
-                ticket = await self._admit(request, ticket_id)
-                if ticket.admission is Admission.ADMITTED:
-                    ticket_id = None
-                    break
-                ticket_id = ticket.ticket_id
-                stats = await self._call(self.engine.stats)
-                yield StreamUpdate(None, waiting_line(ticket.position, stats), None)
-                await asyncio.sleep(self.config.line_poll_s)
-                if watch.abandoned():  # nobody reads: give the place in line back now
-                    return
+            ticket = await self._admit(request)
+            session_id = ticket.session_id
+            if ticket.admission is Admission.WAITING:
+                # The engine posts this place's position on joining and whenever it changes, then NewWorld
+                # when it seats it: the stream only drains them.
+                queued = session_id
+                while True:
+                    message = await self._call(self.engine.next_message, session_id, self.config.poll_s)
+                    if watch.abandoned():  # nobody reads: give the place in line back now
+                        return
+                    if isinstance(message, Waiting):
+                        stats = await self._call(self.engine.stats)
+                        yield StreamUpdate(None, waiting_line(message.position, stats), None)
+                    elif isinstance(message, Closed):
+                        yield StreamUpdate(None, f"stopped: {message.reason}; press Start to try again", None, True)
+                        return
+                    elif isinstance(message, NewWorld):
+                        break
+                queued = None
 
-            record = await self._call(self._register, ticket.session_id, viewer)
+            record = await self._call(self._register, session_id, viewer)
             claim.record = record
             yield StreamUpdate(None, "starting: the first block is on its way", record.session_id)
             async for update in self._blocks(record, watch):
                 yield update
         finally:
             self._release(claim)
-            if ticket_id is not None:
-                self._background(self.engine.withdraw, ticket_id)
+            if queued is not None:
+                self._background(self.engine.withdraw, queued)
             if record is not None:
                 record.streaming = False
                 self._background(self._end, record, "the stream ended")
@@ -318,8 +325,8 @@ class LiveService:
             claim.released = True
             self._registry.claims = [c for c in self._registry.claims if c.held]
 
-    async def _admit(self, request: requests.StartRequest, ticket_id: str | None):
-        future = asyncio.ensure_future(self._call(self.engine.admit, request, ticket_id))
+    async def _admit(self, request: requests.StartRequest):
+        future = asyncio.ensure_future(self._call(self.engine.admit, request))
         try:
             return await asyncio.shield(future)
         except AdmissionRefused as exc:
@@ -332,11 +339,8 @@ class LiveService:
     def _close_orphan(self, future: asyncio.Future) -> None:
         if future.cancelled() or future.exception() is not None:
             return
-        ticket = future.result()
-        if ticket.admission is Admission.ADMITTED:
-            self._background(self.engine.close, ticket.session_id, "the viewer left while it was starting")
-        else:
-            self._background(self.engine.withdraw, ticket.ticket_id)
+        # A session, or a place in line (close takes either).
+        self._background(self.engine.close, future.result().session_id, "the viewer left while it was starting")
 
     async def _blocks(self, record: _Record, watch: _ReadWatch) -> AsyncIterator[StreamUpdate]:
         """Drain the session's outbox, paced to the viewer's playhead, until the engine says it closed."""
