@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .model.vae_stream import FrameDecoder, decode_latent_frame
+from .model.vae_stream import decode_latent_frame, standardise_cache_strides
 
 # The three ways a pipeline runs, as the start-up line names them.
 EAGER = "eager"
@@ -74,8 +74,10 @@ class CompileSwitch:
 
     def decode_frame(self, vae, x: torch.Tensor, cache, first_chunk: bool) -> torch.Tensor:
         """The `FrameDecoder` a pipeline passes to every block: compiled or eager by the same switch."""
-        step: FrameDecoder = self._compiled_decode if self._compiled_here() else decode_latent_frame
-        return step(vae, x, cache, first_chunk)
+        if not self._compiled_here():
+            return decode_latent_frame(vae, x, cache, first_chunk)
+        standardise_cache_strides(cache)
+        return self._compiled_decode(vae, x, cache, first_chunk)
 
     # ---- building ----------------------------------------------------------------------------------------
 

@@ -353,11 +353,12 @@ def decode_latent_frame(vae: AutoencoderKLWan, x: torch.Tensor, cache: FeatureCa
     return vae.decoder(x, feat_cache=cache, feat_idx=[0], first_chunk=first_chunk)
 
 
-def _standardise_strides(cache: FeatureCache) -> None:
+def standardise_cache_strides(cache: FeatureCache) -> None:
     """Some cache entries are views whose (size-1) batch stride depends on how many frames the tensor
     they were cut from had, in eager and in a compiled step's outputs alike. The values do not care, but
     a compiled step guards on its inputs' strides and would build a new graph each time one changes:
-    copies with standard strides keep one graph. Runs outside the step, so it sees the real strides."""
+    copies with standard strides keep one graph. Compiled paths call it just before the compiled step
+    (outside it, so it sees the real strides); eager needs no copies."""
     for index, entry in enumerate(cache):
         if isinstance(entry, torch.Tensor) and entry.stride() != _standard_strides(entry.shape):
             cache[index] = entry.clone(memory_format=torch.contiguous_format)
@@ -377,7 +378,13 @@ def compile_frame_decoder(**compile_options: Any) -> FrameDecoder:
     Recompiles only while the cache fills: the first frame, the second, then it is stable.
     """
     compile_options.setdefault("dynamic", False)
-    return torch.compile(decode_latent_frame, **compile_options)
+    compiled = torch.compile(decode_latent_frame, **compile_options)
+
+    def step(vae: AutoencoderKLWan, x: torch.Tensor, cache: FeatureCache, first_chunk: bool) -> torch.Tensor:
+        standardise_cache_strides(cache)
+        return compiled(vae, x, cache, first_chunk)
+
+    return step
 
 
 @torch.no_grad()
@@ -405,7 +412,6 @@ def decode_block(vae: AutoencoderKLWan, state: DecoderStream, latents: torch.Ten
         # As `_decode` passes it; only the residual (Wan 2.2) up-blocks read the flag, the 2.1 path
         # handles the first frame through its "Rep" cache slots.
         first_chunk = not state.started and i == 0
-        _standardise_strides(cache)
         frames.append(decode_frame(vae, x[:, :, i : i + 1], cache, first_chunk))
     out = torch.cat(frames, dim=2).clamp(-1.0, 1.0)  # [1, 3, T, H, W]
     pending = DecoderStream(cache=cache, latent_frames_decoded=state.latent_frames_decoded + x.shape[2])
