@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import threading
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,9 @@ class Recording:
     """A stream's segments on disk, one folder per world, and the replay of exactly the blocks they show.
 
     The replay is built from what the stream received (a world's header, then each block's entry), never
-    read from the session, so the download's video and replay always hold the same blocks.
+    read from the session, so the download's video and replay always hold the same blocks. The stream
+    adds blocks on its own thread while a download may export: one lock makes a segment and its replay
+    entry join together, and an export takes both at one moment.
     """
 
     def __init__(self, root: Path) -> None:
@@ -98,6 +101,7 @@ class Recording:
         self.world = 0
         self.segments: list[Path] = []
         self.replay: Any = None  # the current world's replay (serving.session.Replay), if it has one
+        self._lock = threading.Lock()
 
     @property
     def world_dir(self) -> Path:
@@ -105,10 +109,11 @@ class Recording:
 
     def new_world(self, replay: Any = None) -> None:
         """Start the next world's folder; `replay`: its replay header (copied; blocks are added by `add`)."""
-        self.world += 1
-        self.world_dir.mkdir(parents=True, exist_ok=True)
-        self.segments = []
-        self.replay = dataclasses.replace(replay, blocks=[]) if replay is not None else None
+        with self._lock:
+            self.world += 1
+            self.world_dir.mkdir(parents=True, exist_ok=True)
+            self.segments = []
+            self.replay = dataclasses.replace(replay, blocks=[]) if replay is not None else None
 
     def add(self, frames: np.ndarray, fps: int, replay_entry: dict[str, Any] | None = None) -> Path:
         """Encode [T, H, W, 3] uint8 frames as the next segment; the file appears whole or not at all."""
@@ -118,14 +123,21 @@ class Recording:
         partial = path.with_suffix(".part")
         partial.write_bytes(mp4_segment(frames, fps))
         partial.replace(path)
-        self.segments.append(path)
-        if self.replay is not None and replay_entry is not None:
-            self.replay.blocks.append(replay_entry)
+        with self._lock:
+            self.segments.append(path)
+            if self.replay is not None and replay_entry is not None:
+                self.replay.blocks.append(replay_entry)
         return path
 
-    def export_mp4(self, out_path: Path) -> int:
-        """Join this world's segments into one MP4 without re-encoding; returns the block count (0: none yet)."""
-        segments = list(self.segments)
+    def export(self, out_path: Path, replay_path: Path | None = None) -> int:
+        """Join this world's segments into one MP4 without re-encoding, and write its replay (when it has
+        one) holding the same blocks; returns the block count (0: none yet, nothing written)."""
+        with self._lock:
+            segments = list(self.segments)
+            replay = dataclasses.replace(self.replay, blocks=list(self.replay.blocks)) \
+                if self.replay is not None else None
         if segments:
             concat_mp4(segments, out_path)
+            if replay_path is not None and replay is not None:
+                replay_path.write_text(replay.to_json())
         return len(segments)

@@ -556,10 +556,9 @@ class LiveService:
         out_dir.mkdir()
         stem = f"lingbot-{record.session_id[:8]}-world{record.recording.world}"
         mp4 = out_dir / f"{stem}.mp4"
-        if not record.recording.export_mp4(mp4):
-            raise StreamError("nothing has been generated yet; press Start and wait for the first block")
         replay_path = out_dir / f"{stem}-replay.json"
-        replay_path.write_text(record.recording.replay.to_json())  # built from the blocks the video shows
+        if not record.recording.export(mp4, replay_path):  # the video and replay of the same blocks
+            raise StreamError("nothing has been generated yet; press Start and wait for the first block")
         return mp4, replay_path
 
     def close_viewer(self, viewer: str | None) -> int:
