@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from lingbot_core.kv_cache import BlockKV, KVPagePool, SessionKV, context_slots  # noqa: E402
+from lingbot_core.pages import PageAllocator  # noqa: E402
 from lingbot_core.model.attention import context_frames  # noqa: E402
 from lingbot_core.pipeline import load_pipeline  # noqa: E402
 
@@ -75,6 +76,7 @@ def main() -> None:
     hidden, plucker = hidden.to(pipe.dtype), plucker.to(pipe.dtype)
     text_kv = pipe.encode_prompt("a forest path in spring")
     pool = pipe.new_pool()
+    page_ids = PageAllocator(pool.num_pages)
     table = SessionKV.empty()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.model} {pipe.precision.name}: "
           f"{config.tokens_per_frame} tokens a frame, context window {context_slots(config)} frames")
@@ -101,7 +103,7 @@ def main() -> None:
         for block in range(args.blocks):
             start = block * frames
             context_pages = [table.frame_pages[f] for f in context_frames(start, t)]
-            pages = pool.allocator.allocate(frames)
+            pages = page_ids.allocate(frames)
             timed = {"fixed": [], "per forward": []}
             for repeat in range(args.repeats):  # A B, B A, ...: the best of each, so noise rarely picks a side
                 order = [("fixed", fixed_window), ("per forward", per_forward)]
@@ -111,7 +113,7 @@ def main() -> None:
             rows.append((len(context_pages), timed["fixed"], timed["per forward"]))
             print(f"{block:5d} {len(context_pages):7d} {timed['fixed']:15.0f} {timed['per forward']:21.0f}")
             table, dropped = table.after_commit(config, start, pages)
-            pool.allocator.free(dropped)
+            page_ids.free(dropped)
 
     full = context_slots(config)
     for title, chosen in (("all blocks", rows), ("full window", [r for r in rows if r[0] == full])):

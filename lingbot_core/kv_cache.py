@@ -22,23 +22,22 @@ import torch
 
 from .config import ModelConfig
 from .model.attention import context_frames
-from .pages import PageAllocator
 
 
 class KVPagePool:
     """The K and V tensors of every page: [layers, pages, tokens_per_frame, heads, head_dim] each."""
 
-    def __init__(self, config: ModelConfig, num_pages: int, dtype: torch.dtype, device: torch.device | str,
-                 allocator: PageAllocator | None = None) -> None:
-        """allocator: the page bookkeeping of whoever owns these pages (the engine keeps its own and admits by
-        it); None: a private one, for an offline rollout."""
+    def __init__(self, config: ModelConfig, num_pages: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        """Tensors only: which pages are in use is the bookkeeping (pages.PageAllocator) of whoever owns the
+        pool, the engine for its shared one, a rollout for its private one; it is passed beside the pool."""
         t = config.transformer
         shape = (t.num_layers, num_pages, config.tokens_per_frame, t.num_attention_heads, t.attention_head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        if allocator is not None and allocator.num_pages != num_pages:
-            raise ValueError(f"the allocator keeps {allocator.num_pages} pages, the pool has {num_pages}")
-        self.allocator = allocator if allocator is not None else PageAllocator(num_pages)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
 
     @staticmethod
     def page_nbytes(config: ModelConfig, dtype: torch.dtype) -> int:

@@ -18,6 +18,7 @@ from .condition_cache import ConditionCache
 from .config import ModelConfig
 from .image import image_to_tensor
 from .kv_cache import KVPagePool
+from .pages import PageAllocator
 from .loading import LoadedParts, load_pipeline_parts
 from .startup import StartupLog, maybe_stage
 from .model.attention import context_frames
@@ -81,12 +82,12 @@ class Pipeline:
             return state
         return replace(state, text_kv=self.encode_prompt(text), prompt=text)
 
-    def step(self, pool: KVPagePool, state: RolloutState, control: BlockControl,
+    def step(self, pool: KVPagePool, pages: PageAllocator, state: RolloutState, control: BlockControl,
              on_stage=None) -> tuple[BlockOutput, RolloutState]:
         if self.compile_switch is not None:  # between blocks: the only place the path may change
             self.compile_switch.at_block_boundary(state.block_index)
         with torch.inference_mode():
-            return step_block(self.config, self.transformer, self.vae, pool, state, control, on_stage,
+            return step_block(self.config, self.transformer, self.vae, pool, pages, state, control, on_stage,
                               self.decode_frame)
 
     def warm_rollout(self) -> None:
@@ -96,19 +97,21 @@ class Pipeline:
         t = self.config.transformer
         blocks = warm_blocks(t.num_frames_per_block, lambda frame: len(context_frames(frame, t)))
         pool = self.new_pool()
+        pages = PageAllocator(pool.num_pages)
         state = self.start(np.zeros((self.config.height, self.config.width, 3), np.uint8), "warm-up", 0)
         try:
             for _ in range(blocks):
                 with torch.inference_mode():
-                    _, state = step_block(self.config, self.transformer, self.vae, pool, state, BlockControl(),
-                                          decode_frame=self.decode_frame)
+                    _, state = step_block(self.config, self.transformer, self.vae, pool, pages, state,
+                                          BlockControl(), decode_frame=self.decode_frame)
         finally:
-            release(pool, state)
+            release(pages, state)
 
-    def new_pool(self, num_pages: int | None = None, allocator=None) -> KVPagePool:
-        """A page pool, sized for one rollout unless told otherwise; allocator: its owner's (default private)."""
+    def new_pool(self, num_pages: int | None = None) -> KVPagePool:
+        """The K/V tensors of a page pool, sized for one rollout unless told otherwise; its owner keeps the
+        bookkeeping (a PageAllocator of pool.num_pages)."""
         return KVPagePool(self.config, num_pages or KVPagePool.pages_per_rollout(self.config), self.dtype,
-                          self.device, allocator)
+                          self.device)
 
     def rollout(self, image, prompt: str, seed: int, controls: Iterable[BlockControl],
                 **kwargs) -> Iterator[BlockOutput]:
@@ -119,15 +122,16 @@ class Pipeline:
                         **kwargs) -> Iterator[BlockOutput]:
         """Run a whole offline rollout of a parsed start on a private pool; blocks are yielded as they are made."""
         pool = self.new_pool()
+        pages = PageAllocator(pool.num_pages)
         state = self.start_request(request, **kwargs)
         try:
             for control in controls:
                 if control.prompt is not None:
                     state = self.with_prompt(state, control.prompt)
-                output, state = self.step(pool, state, control)
+                output, state = self.step(pool, pages, state, control)
                 yield output
         finally:
-            release(pool, state)
+            release(pages, state)
 
 
 def load_pipeline(source: str = "embedded", *, dtype: torch.dtype | str = AUTO, device: str = "cpu",

@@ -19,6 +19,7 @@ import torch
 from .config import ModelConfig
 from .kv_cache import KVPagePool, SessionKV
 from .model import camera, vae_stream
+from .pages import PageAllocator
 from .sampler import sample_block
 
 
@@ -91,17 +92,20 @@ def condition_pixels(vae, image: torch.Tensor) -> torch.Tensor:
     return image.to(device=_device_of(vae), dtype=_dtype_of(vae))
 
 
-def release(pool: KVPagePool, state: RolloutState) -> None:
-    """Return every page the rollout holds to the pool."""
-    pool.allocator.free(state.kv.pages())
+def release(pages: PageAllocator, state: RolloutState) -> None:
+    """Return every page the rollout holds to the pool's bookkeeping."""
+    pages.free(state.kv.pages())
     state.kv = SessionKV.empty()
 
 
-def step_block(config: ModelConfig, transformer, vae, pool: KVPagePool, state: RolloutState,
+def step_block(config: ModelConfig, transformer, vae, pool: KVPagePool, pages: PageAllocator, state: RolloutState,
                control: BlockControl, on_stage: StageHook | None = None,
                decode_frame: vae_stream.FrameDecoder = vae_stream.decode_latent_frame,
                ) -> tuple[BlockOutput, RolloutState]:
-    """Generate one block; returns its output and the committed state. `state` itself is never modified."""
+    """Generate one block; returns its output and the committed state. `state` itself is never modified.
+
+    pool holds the K/V tensors, pages their bookkeeping: the block takes its pages from `pages` and, once it
+    commits, gives back the ones that left the window; a failure gives back what it took."""
     frames_per_block = config.transformer.num_frames_per_block
     start_frame = state.block_index * frames_per_block
     device, dtype = _device_of(transformer), _dtype_of(transformer)
@@ -116,9 +120,9 @@ def step_block(config: ModelConfig, transformer, vae, pool: KVPagePool, state: R
         if on_stage is not None:
             on_stage(stage)
 
-    new_pages = pool.allocator.allocate(frames_per_block)
+    new_pages = pages.allocate(frames_per_block)
     if new_pages is None:
-        raise PoolExhausted(f"the KV pool has {pool.allocator.num_free} free pages; a block needs {frames_per_block}")
+        raise PoolExhausted(f"the KV pool has {pages.num_free} free pages; a block needs {frames_per_block}")
     try:
         # 1. Camera: poses for this block's latent frames, then the Plücker map anchored on the previous tail.
         poses, intrinsics, next_camera = _block_camera(config, state.camera, control)
@@ -159,12 +163,12 @@ def step_block(config: ModelConfig, transformer, vae, pool: KVPagePool, state: R
         frames, next_decoder = vae_stream.decode_block(vae, state.decoder, latents, decode_frame)
         enter("done")  # closes the decode timing
     except BaseException:
-        pool.allocator.free(new_pages)
+        pages.free(new_pages)
         raise
 
     # Commit: nothing below can fail on a valid state.
     next_kv, dropped = state.kv.after_commit(config, start_frame, new_pages)
-    pool.allocator.free(dropped)
+    pages.free(dropped)
     next_state = replace(state, block_index=state.block_index + 1, condition=next_condition, decoder=next_decoder,
                          kv=next_kv, rng_state=generator.get_state(), camera=next_camera)
     return BlockOutput(state.block_index, latents, frames, poses, stage_ms), next_state

@@ -16,6 +16,7 @@ import torch
 from conftest import WINDOW_CONFIG
 from lingbot_core.kv_cache import BlockKV, KVPagePool, SessionKV, context_slots
 from lingbot_core.model.attention import block_causal_mask, context_frames
+from lingbot_core.pages import PageAllocator
 from lingbot_core.rollout import BlockControl, release
 from training.world import ReadKV, RecordKV, _CommitKV
 
@@ -42,7 +43,8 @@ def _inputs(blocks: int, seed: int = 1):
 
 def test_a_block_view_is_one_fixed_window_with_its_frames_first_and_the_rest_masked():
     pool = KVPagePool(WINDOW_CONFIG, CFG.sliding_window_num_frames, torch.float64, "cpu")
-    for page in range(pool.allocator.num_pages):  # every page holds its own id + 1 (never zero)
+    page_ids = PageAllocator(pool.num_pages)
+    for page in range(pool.num_pages):  # every page holds its own id + 1 (never zero)
         pool.k[:, page], pool.v[:, page] = page + 1.0, -(page + 1.0)
     table, shapes = SessionKV.empty(), set()
     for block in range(NUM_BLOCKS):
@@ -59,11 +61,11 @@ def test_a_block_view_is_one_fixed_window_with_its_frames_first_and_the_rest_mas
             assert not k[len(frames):].any() and not v[len(frames):].any()  # padding is zeros
         assert not view.writes
         assert view.nbytes == BlockKV.window_nbytes(WINDOW_CONFIG, torch.float64)  # what a memory plan reserves
-        pages = pool.allocator.allocate(BLOCK)
+        pages = page_ids.allocate(BLOCK)
         writer = view.writing(pages)
         assert writer.writes and writer.k is view.k  # the commit reads the buffer the denoise steps read
         table, dropped = table.after_commit(WINDOW_CONFIG, start, pages)
-        pool.allocator.free(dropped)
+        page_ids.free(dropped)
     assert shapes == {(torch.Size([1, SLOTS * TOKENS, CFG.num_attention_heads, CFG.attention_head_dim]),
                        torch.Size([SLOTS * TOKENS]))}
     with pytest.raises(RuntimeError, match="not in the page table"):
@@ -78,6 +80,7 @@ def test_fixed_window_forwards_equal_the_one_shot_masked_forward_from_the_empty_
     latents, plucker, text = _inputs(NUM_BLOCKS)
     text_kv = model.prepare_text(text)
     pool = KVPagePool(WINDOW_CONFIG, CFG.sliding_window_num_frames, torch.float64, "cpu")
+    page_ids = PageAllocator(pool.num_pages)
     table, record = SessionKV.empty(), RecordKV()
     noisy_x = torch.randn(latents.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     for block in range(NUM_BLOCKS):
@@ -102,7 +105,7 @@ def test_fixed_window_forwards_equal_the_one_shot_masked_forward_from_the_empty_
             alone = model(noisy_x[:, :, own], t_noisy, text_kv, plucker[:, own], 0)
             assert (got - alone).abs().max().item() <= 1e-12
 
-        pages = pool.allocator.allocate(BLOCK)
+        pages = page_ids.allocate(BLOCK)
         clean = model(latents[:, :, own], torch.zeros(1, dtype=torch.float64), text_kv, plucker[:, own], start,
                       cache=view.writing(pages))
         commit = _CommitKV(record, context_frames(start, CFG), TOKENS)
@@ -112,7 +115,7 @@ def test_fixed_window_forwards_equal_the_one_shot_masked_forward_from_the_empty_
                            attn_mask=block_causal_mask(end, TOKENS, CFG))
         assert (clean - clean_full[:, :, own]).abs().max().item() <= 1e-10, f"commit {block}"
         table, dropped = table.after_commit(WINDOW_CONFIG, start, pages)
-        pool.allocator.free(dropped)
+        page_ids.free(dropped)
     assert min(table.frame_pages) == 0 and max(table.frame_pages) == NUM_BLOCKS * BLOCK - 1
     assert len(table.frame_pages) == SLOTS < NUM_BLOCKS * BLOCK  # the window slid: frames 3..8 left it
 
@@ -136,13 +139,14 @@ def test_a_compiled_forward_sees_one_graph_across_a_rollout_that_fills_and_slide
     try:
         for name, pipe in pipes.items():
             pool = pipe.new_pool()
+            page_ids = PageAllocator(pool.num_pages)
             state = pipe.start(start_image, "a quiet street", 3)
             outputs[name] = []
             for block in range(NUM_BLOCKS):
-                output, state = pipe.step(pool, state, BlockControl(actions=(frozenset("w"),) * BLOCK))
+                output, state = pipe.step(pool, page_ids, state, BlockControl(actions=(frozenset("w"),) * BLOCK))
                 outputs[name].append(output.latents)
             assert len(state.kv.frame_pages) == SLOTS and min(state.kv.frame_pages) == 0  # filled, and slid
-            release(pool, state)
+            release(page_ids, state)
         lengths = {len(context_frames(b * BLOCK, CFG)) for b in range(NUM_BLOCKS)}
         assert lengths == {0, 3, 6}
         assert len(graphs) == 1, f"{len(graphs)} graphs for context lengths {sorted(lengths)}"
@@ -183,6 +187,7 @@ def test_inductor_builds_one_graph_for_the_masked_window_and_matches_eager(tiny_
     pools = {name: KVPagePool(WINDOW_CONFIG, CFG.sliding_window_num_frames, torch.float32, "cpu")
              for name in ("eager", "compiled")}
     tables = {name: SessionKV.empty() for name in pools}
+    page_sets = {name: PageAllocator(pool.num_pages) for name, pool in pools.items()}
     try:
         for block in range(NUM_BLOCKS):
             start, own = block * BLOCK, slice(block * BLOCK, (block + 1) * BLOCK)
@@ -191,11 +196,11 @@ def test_inductor_builds_one_graph_for_the_masked_window_and_matches_eager(tiny_
                 pool, view = pools[name], tables[name].view(pools[name], WINDOW_CONFIG, start)
                 noisy = model(latents[:, :, own], torch.full((1,), NOISY_T), text_kv, plucker[:, own], start,
                               cache=view)
-                pages = pool.allocator.allocate(BLOCK)
+                pages = page_sets[name].allocate(BLOCK)
                 clean = model(latents[:, :, own], torch.zeros(1), text_kv, plucker[:, own], start,
                               cache=view.writing(pages))
                 tables[name], dropped = tables[name].after_commit(WINDOW_CONFIG, start, pages)
-                pool.allocator.free(dropped)
+                page_sets[name].free(dropped)
                 outs[name] = (noisy, clean)
             for got, want in zip(outs["compiled"], outs["eager"]):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

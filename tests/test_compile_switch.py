@@ -22,6 +22,7 @@ from lingbot_core.compile_switch import BACKGROUND, COMPILED, EAGER, CompileSwit
 from lingbot_core.config import EMBEDDED, tiny_config
 from lingbot_core.loading import build_seeded_parts
 from lingbot_core.model.attention import context_frames
+from lingbot_core.pages import PageAllocator
 from lingbot_core.pipeline import Pipeline, compile_plan
 from lingbot_core.rollout import BlockControl, release
 
@@ -70,6 +71,7 @@ def _controls(config, count=BLOCKS):
 def _rollout(pipe, image, controls, before_stage=None, on_block=None):
     """Blocks of one rollout through pipe.step; before_stage(block, stage) runs inside each block."""
     pool = pipe.new_pool()
+    pages = PageAllocator(pool.num_pages)
     state = pipe.start(image, "a quiet street", 3)
     outputs = []
     try:
@@ -77,10 +79,10 @@ def _rollout(pipe, image, controls, before_stage=None, on_block=None):
             if on_block is not None:
                 on_block(index)
             hook = None if before_stage is None else (lambda stage, i=index: before_stage(i, stage))
-            output, state = pipe.step(pool, state, control, on_stage=hook)
+            output, state = pipe.step(pool, pages, state, control, on_stage=hook)
             outputs.append(output)
     finally:
-        release(pool, state)
+        release(pages, state)
     return outputs
 
 

@@ -24,6 +24,7 @@ from lingbot_core.config import WAN21_VAE, tiny_config
 from lingbot_core.events import EventError, read_events
 from lingbot_core.generate import controls_from_events
 from lingbot_core.loading import build_seeded_parts
+from lingbot_core.pages import PageAllocator
 from lingbot_core.pipeline import Pipeline
 from lingbot_core.requests import StartRequest, parse_start
 from lingbot_core.serving.engine import (
@@ -113,9 +114,9 @@ def _counting_steps(monkeypatch, pipe) -> list:
     calls = []
     step = Pipeline.step
 
-    def counted(self, pool, state, control, on_stage=None):
+    def counted(self, pool, pages, state, control, on_stage=None):
         calls.append(state.prompt)
-        return step(self, pool, state, control, on_stage)
+        return step(self, pool, pages, state, control, on_stage)
 
     monkeypatch.setattr(Pipeline, "step", counted)
     return calls
@@ -172,7 +173,7 @@ def test_admission_by_bytes_waits_in_line_then_refuses(pipe, image, clock):
     assert "left the line" in engine.next_message(t2.session_id, timeout=0).reason
     engine.shutdown()
     assert engine.next_message(t3.session_id, timeout=0) == Closed("server shutting down")
-    assert engine.pool.allocator.num_in_use == 0 and second not in engine.session_ids()
+    assert engine.pages.num_in_use == 0 and second not in engine.session_ids()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,7 +242,7 @@ def test_a_shared_condition_stream_gives_exactly_the_blocks_of_a_private_one(pip
     engine.shutdown()
     for session_id, seed in zip(ids, (3, 4)):
         pool = pipe.new_pool()
-        private = Session("private", pipe, pool, _request(image, PROMPT, seed))
+        private = Session("private", pipe, pool, PageAllocator(pool.num_pages), _request(image, PROMPT, seed))
         assert private.rollout.condition.shared is None
         for block, latents in enumerate(shared[session_id]):
             assert torch.equal(private.step().latents, latents), (seed, block)
@@ -276,7 +277,7 @@ def test_accounted_bytes_match_live_tensors_and_stay_under_the_charge(pipe, imag
         live += held_bytes(rollout, seen) + len(rollout.kv.frame_pages) * page_bytes
         live += held_bytes(list(live_session.outbox), seen)
     assert engine.accounted_bytes() == pytest.approx(live, rel=0.10)
-    assert engine.pool.allocator.num_in_use * page_bytes == sum(
+    assert engine.pages.num_in_use * page_bytes == sum(
         len(s.session.rollout.kv.frame_pages) * page_bytes for s in engine._sessions.values())
     for session_id in ids:
         status = engine.session_status(session_id)
@@ -371,20 +372,20 @@ def test_a_failed_block_is_reported_and_retried_only_after_new_input(pipe, image
     _take(engine, session_id)
     step = Pipeline.step
 
-    def failing(self, pool, state, control, on_stage=None):
+    def failing(self, pool, pages, state, control, on_stage=None):
         def hook(stage):
             if stage == "decode":
                 raise RuntimeError("device lost")
-        return step(self, pool, state, control, hook)
+        return step(self, pool, pages, state, control, hook)
 
     monkeypatch.setattr(Pipeline, "step", failing)
-    pages = engine.pool.allocator.num_in_use
+    pages = engine.pages.num_in_use
     assert engine.run_once() == session_id
     error = _take(engine, session_id)
     assert isinstance(error, Failed) and error.waiting_for_input and "device lost" in error.text
     status = engine.session_status(session_id)
     assert (status["status"], status["block_index"], status["waiting_for_input"]) == ("failed", 1, True)
-    assert engine.pool.allocator.num_in_use == pages
+    assert engine.pages.num_in_use == pages
     assert engine.run_once() is None  # no retry loop without new input
     monkeypatch.setattr(Pipeline, "step", step)
     engine.post_event(session_id, {"event_id": 0, "keys": ["s"]})
@@ -419,7 +420,8 @@ def test_idle_ttl_closes_a_session_and_tells_its_consumer(pipe, image, clock):
     with pytest.raises(UnknownSession, match="never existed"):
         engine.next_message("nope", timeout=0)
     engine.close(played, "consumer disconnected")
-    assert engine.pool.allocator.num_in_use == 0 and engine.accounted_bytes() == engine.conditions.nbytes() <= engine.conditions.max_bytes
+    assert engine.pages.num_in_use == 0
+    assert engine.accounted_bytes() == engine.conditions.nbytes() <= engine.conditions.max_bytes
     assert _take(engine, played) == Closed("consumer disconnected")
     engine.shutdown()
 
@@ -455,7 +457,7 @@ def test_a_queued_viewer_is_told_its_place_as_it_moves_up_then_gets_its_world(pi
     assert engine.run_once() == third
     assert isinstance(engine.next_message(third, timeout=0), Block)
     engine.shutdown()
-    assert engine.pool.allocator.num_in_use == 0
+    assert engine.pages.num_in_use == 0
 
 
 def test_lru_idle_session_is_evicted_for_a_newcomer(pipe, image, clock):
@@ -477,10 +479,10 @@ def test_lru_idle_session_is_evicted_for_a_newcomer(pipe, image, clock):
     assert isinstance(engine.next_message(ticket.session_id, timeout=0), NewWorld)
     assert "evicted" in _take(engine, old).reason
     window = CONFIG.transformer.sliding_window_num_frames - BLOCK
-    assert engine.pool.allocator.num_in_use == 2 * BLOCK  # `recent`'s and the newcomer's block 0 pages
-    assert engine.pool.allocator.num_pages == 2 * window + BLOCK
+    assert engine.pages.num_in_use == 2 * BLOCK  # `recent`'s and the newcomer's block 0 pages
+    assert engine.pages.num_pages == 2 * window + BLOCK
     engine.shutdown()
-    assert engine.pool.allocator.num_in_use == 0
+    assert engine.pages.num_in_use == 0
 
 
 def test_reset_drops_the_old_world_and_keeps_event_ids_monotonic(pipe, image, clock):
@@ -494,7 +496,7 @@ def test_reset_drops_the_old_world_and_keeps_event_ids_monotonic(pipe, image, cl
     world = engine.next_message(session_id, timeout=0)  # old blocks dropped: the new world comes next
     assert isinstance(world, NewWorld) and (world.replay.seed, world.replay.blocks) == (9, [])
     assert engine.next_message(session_id, timeout=0) is None
-    assert engine.pool.allocator.num_in_use == 0
+    assert engine.pages.num_in_use == 0
     with pytest.raises(EventError, match="stale"):
         engine.post_event(session_id, {"event_id": 6, "keys": []})
     engine.post_event(session_id, {"event_id": 7, "keys": ["d"]})
@@ -555,11 +557,11 @@ def test_a_thousand_sessions_through_every_exit_leave_an_empty_pool_and_flat_rss
         if stage == "commit":
             raise RuntimeError("injected")
 
-    def maybe_failing(self, pool, state, control, on_stage=None):
+    def maybe_failing(self, pool, pages, state, control, on_stage=None):
         if fail_next:
             fail_next.pop()
             on_stage = fail_at_commit
-        return step(self, pool, state, control, on_stage)
+        return step(self, pool, pages, state, control, on_stage)
 
     monkeypatch.setattr(Pipeline, "step", maybe_failing)
     sessions, rss = [], []
@@ -601,13 +603,13 @@ def test_a_thousand_sessions_through_every_exit_leave_an_empty_pool_and_flat_rss
             for _ in range(2):
                 engine.run_once()
             engine.close(session_id, "server shutting down")
-        assert engine.pool.allocator.num_in_use == 0, f"cycle {cycle} (path {path}) leaked pages"
+        assert engine.pages.num_in_use == 0, f"cycle {cycle} (path {path}) leaked pages"
         assert engine.session_ids() == [] and engine.accounted_bytes() == engine.conditions.nbytes() <= engine.conditions.max_bytes
     gc.collect()
     rss.append(_rss_bytes())
     alive = [cycle for cycle, ref in enumerate(sessions) if ref() is not None]
     assert not alive, f"closed sessions of cycles {alive[:12]} are still referenced"
-    assert engine.pool.allocator.num_free == engine.pool.allocator.num_pages
+    assert engine.pages.num_free == engine.pages.num_pages
     assert rss[1] - rss[0] < 24 * 2**20, f"RSS grew by {(rss[1] - rss[0]) / 2**20:.1f} MiB over 900 cycles"
     engine.shutdown()
 
@@ -630,7 +632,7 @@ def test_worker_thread_stream_equals_the_offline_command(pipe, image):
         replay = engine.replay(session_id)
         blocks = len(replay.blocks)
         assert blocks >= len(latents)
-    assert engine.pool.allocator.num_in_use == 0
+    assert engine.pages.num_in_use == 0
     controls = controls_from_events(read_events(replay.to_events_jsonl(), BLOCK), BLOCK)
     offline = [o.latents for o in pipe.rollout(image, PROMPT, 4, controls[:len(latents)])]
     for block, (a, b) in enumerate(zip(latents, offline)):
@@ -668,7 +670,7 @@ def test_all_model_work_runs_on_the_one_worker_thread(pipe, image, monkeypatch):
         with pytest.raises(UnknownSession):
             engine.reset("no-such-session", _request(image, PROMPT, 0))  # raised on the worker, re-raised here
         engine.close(session_id)
-        assert engine.pool.allocator.num_in_use == 0
+        assert engine.pages.num_in_use == 0
     assert {what for what, _ in seen} == {"load", "start_request", "step", "new_pool"}
     assert {thread for _, thread in seen} == {"lingbot-engine"}, seen
 

@@ -23,6 +23,7 @@ from lingbot_core.events import read_events_file
 from lingbot_core.config import PUBLISHED_KEYS
 from lingbot_core.generate import controls_from_events, main, plan_trajectory, trajectory_controls
 from lingbot_core.model import camera
+from lingbot_core.pages import PageAllocator
 from lingbot_core.pipeline import load_pipeline
 from lingbot_core.video import count_frames
 from tests.checkpoint_writer import (
@@ -122,12 +123,13 @@ def test_offline_latents_equal_tick_by_tick_rollout(checkpoint, image_file, tmp_
     controls = controls_from_events(read_events_file(events, frames_per_block), frames_per_block)
     assert sum(c.prompt is not None for c in controls) == 1
     pool = pipe.new_pool()
+    pages = PageAllocator(pool.num_pages)
     state = pipe.start(image_file, PROMPT, seed=3)
     ticks = []
     for control in controls:
         if control.prompt is not None:
             state = pipe.with_prompt(state, control.prompt)
-        output, state = pipe.step(pool, state, control)
+        output, state = pipe.step(pool, pages, state, control)
         ticks.append(output.latents)
     expected = torch.cat(ticks, dim=2)  # [1, z, 4 * 3, h, w]
     assert offline.shape == (1, CFG.transformer.out_channels, 12, CFG.latent_height, CFG.latent_width)
@@ -180,10 +182,11 @@ def test_offline_trajectory_equals_tick_by_tick_and_is_normalised_once(checkpoin
     controls = trajectory_controls(plan)
     assert plan.frames_used == 45 and {c.translation_scale for c in controls} == {plan.translation_scale}
     pool = pipe.new_pool()
+    pages = PageAllocator(pool.num_pages)
     state = pipe.start(image_file, PROMPT, seed=5, start_camera=camera.CameraState(poses[0]))
     ticks = []
     for control in controls:
-        output, state = pipe.step(pool, state, control)
+        output, state = pipe.step(pool, pages, state, control)
         ticks.append(output.latents)
     assert torch.equal(offline, torch.cat(ticks, dim=2))
     # The slow blocks kept their slow motion: a per-block scale would have given each block a step of 1.

@@ -20,6 +20,7 @@ from conftest import WINDOW_CONFIG
 from lingbot_core.config import SamplerConfig
 from lingbot_core.kv_cache import KVPagePool
 from lingbot_core.model.attention import block_causal_mask, context_frames
+from lingbot_core.pages import PageAllocator
 from lingbot_core.rollout import BlockControl, PoolExhausted, RolloutState, release
 from lingbot_core.sampler import sample_block
 
@@ -67,12 +68,24 @@ class CommitRecorder(torch.nn.Module):
 
 
 @dataclass
+class Paged:
+    """A page pool's tensors and their bookkeeping, which a rollout's owner keeps side by side (copied together
+    for the snapshots below)."""
+
+    pool: KVPagePool
+    pages: PageAllocator
+
+    def copy(self) -> "Paged":
+        return copy.deepcopy(self)
+
+
+@dataclass
 class Run:
     """A tick-by-tick rollout: states[i] / pools[i] are the world and a copy of its pool before block i."""
 
     outputs: list = field(default_factory=list)
     states: list[RolloutState] = field(default_factory=list)
-    pools: list[KVPagePool] = field(default_factory=list)
+    pools: list[Paged] = field(default_factory=list)
     in_use_peak: list[int] = field(default_factory=list)  # pages in use while block i decodes
     recorder: CommitRecorder | None = None
 
@@ -82,19 +95,20 @@ def window_run(tiny_pipeline, start_image) -> Run:
     recorder = CommitRecorder(tiny_pipeline.transformer)
     pipe = dataclasses.replace(tiny_pipeline, transformer=recorder)
     pool = pipe.new_pool()
-    assert pool.allocator.num_pages == CFG.sliding_window_num_frames  # exactly one window: pages must recycle
+    pages = PageAllocator(pool.num_pages)
+    assert pool.num_pages == CFG.sliding_window_num_frames  # exactly one window: pages must recycle
     state = pipe.start(start_image, PROMPT, SEED)
     run = Run(recorder=recorder)
     for control in CONTROLS:
         run.states.append(state)
-        run.pools.append(copy.deepcopy(pool))
+        run.pools.append(Paged(pool, pages).copy())
         peak = []
-        output, state = pipe.step(pool, state, control,
-                                  on_stage=lambda s: peak.append(pool.allocator.num_in_use) if s == "decode" else None)
+        output, state = pipe.step(pool, pages, state, control,
+                                  on_stage=lambda s: peak.append(pages.num_in_use) if s == "decode" else None)
         run.outputs.append(output)
         run.in_use_peak.extend(peak)
     run.states.append(state)
-    run.pools.append(pool)
+    run.pools.append(Paged(pool, pages))
     return run
 
 
@@ -131,7 +145,7 @@ def test_paged_block_steps_equal_one_masked_forward(tiny_pipeline, window_run):
         assert (got - commit["out"]).abs().max().item() <= 1e-10, f"block {b}"
 
     # The pages the rollout kept hold exactly the one-shot forward's rotated K/V of their frames.
-    final_state, pool = window_run.states[-1], window_run.pools[-1]
+    final_state, pool = window_run.states[-1], window_run.pools[-1].pool
     for frame, page in final_state.kv.frame_pages.items():
         tokens = slice(frame * TOKENS, (frame + 1) * TOKENS)
         for layer in range(CFG.num_layers):
@@ -152,23 +166,23 @@ def test_pages_follow_the_window_and_are_recycled(window_run):
     pages_seen = []
     for b, state in enumerate(window_run.states[1:], start=1):
         frames_so_far = b * BLOCK
-        pool = window_run.pools[b]
+        pages = window_run.pools[b].pages
         table = state.kv.frame_pages
         assert sorted(table) == context_frames(frames_so_far, CFG)
-        assert pool.allocator.num_in_use == len(table) == min(frames_so_far, retained)
+        assert pages.num_in_use == len(table) == min(frames_so_far, retained)
         assert len(set(table.values())) == len(table)  # one page per frame
         # While a block is in flight its pages are held too: the whole window, never more.
         assert window_run.in_use_peak[b - 1] == min(frames_so_far, CFG.sliding_window_num_frames)
         pages_seen.extend(page for frame, page in table.items() if frame >= frames_so_far - BLOCK)
     # 21 frames went through a 9-page pool: pages that left the window were given back and reused.
-    assert len(pages_seen) == NUM_BLOCKS * BLOCK > window_run.pools[-1].allocator.num_pages
-    assert set(pages_seen) == set(range(window_run.pools[-1].allocator.num_pages))
+    assert len(pages_seen) == NUM_BLOCKS * BLOCK > window_run.pools[-1].pages.num_pages
+    assert set(pages_seen) == set(range(window_run.pools[-1].pages.num_pages))
     # Once the window is full the pool's in-use count stays constant.
-    assert {p.allocator.num_in_use for p in window_run.pools[3:]} == {retained}
+    assert {p.pages.num_in_use for p in window_run.pools[3:]} == {retained}
     # release() gives every page back.
-    pool = copy.deepcopy(window_run.pools[-1])
-    release(pool, dataclasses.replace(window_run.states[-1]))
-    assert pool.allocator.num_in_use == 0
+    pages = window_run.pools[-1].copy().pages
+    release(pages, dataclasses.replace(window_run.states[-1]))
+    assert pages.num_in_use == 0
 
 
 def test_rollout_noise_is_one_stream_from_the_seed(window_run):
@@ -190,11 +204,12 @@ def test_offline_rollout_equals_tick_by_tick(tiny_pipeline, start_image):
     offline = list(tiny_pipeline.rollout(start_image, PROMPT, SEED, controls))
 
     pool = tiny_pipeline.new_pool()
+    pages = PageAllocator(pool.num_pages)
     state = tiny_pipeline.start(start_image, PROMPT, SEED)
     for b, control in enumerate(controls):
         if control.prompt is not None:
             state = tiny_pipeline.with_prompt(state, control.prompt)
-        tick, state = tiny_pipeline.step(pool, state, control)
+        tick, state = tiny_pipeline.step(pool, pages, state, control)
         assert tick.block_index == offline[b].block_index == b
         assert torch.equal(tick.latents, offline[b].latents), f"block {b} latents"
         assert torch.equal(tick.frames, offline[b].frames), f"block {b} frames"
@@ -298,7 +313,8 @@ def _tensor_list(items):
     return [(item.clone() if isinstance(item, torch.Tensor) else item) for item in items]
 
 
-def _snapshot(state: RolloutState, pool: KVPagePool) -> dict:
+def _snapshot(state: RolloutState, paged: Paged) -> dict:
+    pool = paged.pool
     condition, decoder = state.condition, state.decoder
     pages = torch.tensor(state.kv.pages(), dtype=torch.long)
     return dict(
@@ -310,7 +326,7 @@ def _snapshot(state: RolloutState, pool: KVPagePool) -> dict:
         frame_pages=dict(state.kv.frame_pages),
         rng_state=state.rng_state.clone(),
         camera=(state.camera.pose.copy(), state.camera.pitch_deg),
-        in_use=pool.allocator.num_in_use,
+        in_use=paged.pages.num_in_use,
         k=_bytes(pool.k[:, pages]),
         v=_bytes(pool.v[:, pages]),
     )
@@ -325,7 +341,8 @@ def _assert_same_items(now, before):
             assert a == b
 
 
-def _assert_unchanged(state: RolloutState, pool: KVPagePool, snap: dict) -> None:
+def _assert_unchanged(state: RolloutState, paged: Paged, snap: dict) -> None:
+    pool = paged.pool
     for name, value in snap["fields"].items():
         assert getattr(state, name) is value, name
     condition, decoder = state.condition, state.decoder
@@ -336,12 +353,13 @@ def _assert_unchanged(state: RolloutState, pool: KVPagePool, snap: dict) -> None
     assert state.kv.frame_pages == snap["frame_pages"]
     assert torch.equal(state.rng_state, snap["rng_state"])
     assert (state.camera.pose == snap["camera"][0]).all() and state.camera.pitch_deg == snap["camera"][1]
-    assert pool.allocator.num_in_use == snap["in_use"]
+    assert paged.pages.num_in_use == snap["in_use"]
     pages = torch.tensor(state.kv.pages(), dtype=torch.long)
     assert torch.equal(_bytes(pool.k[:, pages]), snap["k"]) and torch.equal(_bytes(pool.v[:, pages]), snap["v"])
 
 
-def _assert_same_block(output, new_state, pool, reference, ref_state, ref_pool):
+def _assert_same_block(output, new_state, paged: Paged, reference, ref_state, ref_paged: Paged):
+    pool, ref_pool = paged.pool, ref_paged.pool
     assert torch.equal(output.latents, reference.latents)
     assert torch.equal(output.frames, reference.frames)
     assert sorted(new_state.kv.frame_pages) == sorted(ref_state.kv.frame_pages)
@@ -350,7 +368,7 @@ def _assert_same_block(output, new_state, pool, reference, ref_state, ref_pool):
         assert torch.equal(pool.k[:, page], ref_pool.k[:, ref_page])
         assert torch.equal(pool.v[:, page], ref_pool.v[:, ref_page])
     assert torch.equal(new_state.rng_state, ref_state.rng_state)
-    assert pool.allocator.num_in_use == ref_pool.allocator.num_in_use
+    assert paged.pages.num_in_use == ref_paged.pages.num_in_use
 
 
 # Block 3: the window is full and this block's commit drops frames, so every kind of state is live.
@@ -359,10 +377,10 @@ FAIL_BLOCK = 3
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_failed_stage_leaves_state_and_pool_untouched_and_retry_matches(tiny_pipeline, window_run, stage):
-    state, pool = window_run.states[FAIL_BLOCK], copy.deepcopy(window_run.pools[FAIL_BLOCK])
+    state, paged = window_run.states[FAIL_BLOCK], window_run.pools[FAIL_BLOCK].copy()
     control = CONTROLS[FAIL_BLOCK]
-    snap = _snapshot(state, pool)
-    whole_pool_k = pool.k.clone()
+    snap = _snapshot(state, paged)
+    whole_pool_k = paged.pool.k.clone()
     stages_seen = []
 
     def fail(name):
@@ -371,27 +389,27 @@ def test_failed_stage_leaves_state_and_pool_untouched_and_retry_matches(tiny_pip
             raise InjectedFailure(name)
 
     with pytest.raises(InjectedFailure):
-        tiny_pipeline.step(pool, state, control, on_stage=fail)
+        tiny_pipeline.step(paged.pool, paged.pages, state, control, on_stage=fail)
     assert stages_seen == list(STAGES[:STAGES.index(stage) + 1])
-    _assert_unchanged(state, pool, snap)
+    _assert_unchanged(state, paged, snap)
     if STAGES.index(stage) > STAGES.index("commit"):
         # The commit forward did write the reserved pages; they were freed, the committed ones kept.
-        assert not torch.equal(pool.k, whole_pool_k)
+        assert not torch.equal(paged.pool.k, whole_pool_k)
 
-    output, new_state = tiny_pipeline.step(pool, state, control)
-    _assert_same_block(output, new_state, pool, window_run.outputs[FAIL_BLOCK], window_run.states[FAIL_BLOCK + 1],
+    output, new_state = tiny_pipeline.step(paged.pool, paged.pages, state, control)
+    _assert_same_block(output, new_state, paged, window_run.outputs[FAIL_BLOCK], window_run.states[FAIL_BLOCK + 1],
                        window_run.pools[FAIL_BLOCK + 1])
 
 
 def test_pool_exhausted_takes_nothing(tiny_pipeline, window_run):
-    state, pool = window_run.states[FAIL_BLOCK], copy.deepcopy(window_run.pools[FAIL_BLOCK])
-    snap = _snapshot(state, pool)
-    squatter = pool.allocator.allocate(pool.allocator.num_free - 1)  # one page short of a block
+    state, paged = window_run.states[FAIL_BLOCK], window_run.pools[FAIL_BLOCK].copy()
+    snap = _snapshot(state, paged)
+    squatter = paged.pages.allocate(paged.pages.num_free - 1)  # one page short of a block
     with pytest.raises(PoolExhausted, match="free pages"):
-        tiny_pipeline.step(pool, state, CONTROLS[FAIL_BLOCK])
-    assert pool.allocator.num_in_use == snap["in_use"] + len(squatter)
-    pool.allocator.free(squatter)
-    _assert_unchanged(state, pool, snap)
+        tiny_pipeline.step(paged.pool, paged.pages, state, CONTROLS[FAIL_BLOCK])
+    assert paged.pages.num_in_use == snap["in_use"] + len(squatter)
+    paged.pages.free(squatter)
+    _assert_unchanged(state, paged, snap)
 
 
 # ---- 5. prompt switch ------------------------------------------------------------------------------
@@ -410,17 +428,19 @@ def test_prompt_switch_changes_output_and_keeps_original_state_usable(tiny_pipel
                                                  expected_kv.keys + expected_kv.values))
 
     # Random tiny weights make cross-attention a small term; fp64 rounding differences would be ~1e-14.
-    out_switched, _ = tiny_pipeline.step(copy.deepcopy(window_run.pools[b]), switched, control)
+    fresh = window_run.pools[b].copy()
+    out_switched, _ = tiny_pipeline.step(fresh.pool, fresh.pages, switched, control)
     assert (out_switched.latents - window_run.outputs[b].latents).abs().max() > 1e-6
 
     # The original state still steps to exactly the block it would have made.
-    pool = copy.deepcopy(window_run.pools[b])
-    output, new_state = tiny_pipeline.step(pool, state, control)
-    _assert_same_block(output, new_state, pool, window_run.outputs[b], window_run.states[b + 1],
+    paged = window_run.pools[b].copy()
+    output, new_state = tiny_pipeline.step(paged.pool, paged.pages, state, control)
+    _assert_same_block(output, new_state, paged, window_run.outputs[b], window_run.states[b + 1],
                        window_run.pools[b + 1])
 
     # The same prompt in other whitespace is the same prompt.
     respaced = tiny_pipeline.with_prompt(state, "  " + PROMPT.replace(" ", " \t ") + "\n")
     assert respaced.prompt == PROMPT
-    same, _ = tiny_pipeline.step(copy.deepcopy(window_run.pools[b]), respaced, control)
+    fresh = window_run.pools[b].copy()
+    same, _ = tiny_pipeline.step(fresh.pool, fresh.pages, respaced, control)
     assert torch.equal(same.latents, window_run.outputs[b].latents)

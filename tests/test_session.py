@@ -25,6 +25,7 @@ from lingbot_core.kv_cache import KVPagePool
 from lingbot_core.loading import build_seeded_parts
 from lingbot_core.model import camera
 from lingbot_core.model.text import PromptError
+from lingbot_core.pages import PageAllocator
 from lingbot_core.pipeline import Pipeline
 from lingbot_core.requests import StartRequest, parse_start
 from lingbot_core.video import frames_to_uint8
@@ -61,17 +62,23 @@ def image(start_image) -> np.ndarray:
 
 @pytest.fixture
 def pool(pipe) -> KVPagePool:
-    pool = pipe.new_pool(4 * CONFIG.transformer.sliding_window_num_frames)
-    yield pool
-    assert pool.allocator.num_in_use == 0, "a test leaked pages"
+    return pipe.new_pool(4 * CONFIG.transformer.sliding_window_num_frames)
+
+
+@pytest.fixture
+def pages(pool) -> PageAllocator:
+    """The pool's bookkeeping, as the engine keeps it beside the pool."""
+    pages = PageAllocator(pool.num_pages)
+    yield pages
+    assert pages.num_in_use == 0, "a test leaked pages"
 
 
 def _request(pipe, image, prompt=PROMPT, seed=SEED) -> StartRequest:
     return parse_start(image, prompt, seed, pipe.config)  # the boundary's one parse: the session trusts it
 
 
-def _session(pipe, pool, image, seed=SEED, prompt=PROMPT, **kwargs) -> Session:
-    return Session("s", pipe, pool, _request(pipe, image, prompt, seed), **kwargs)
+def _session(pipe, pool, pages, image, seed=SEED, prompt=PROMPT, **kwargs) -> Session:
+    return Session("s", pipe, pool, pages, _request(pipe, image, prompt, seed), **kwargs)
 
 
 def _keys(*frames: str) -> list[list[str]]:
@@ -144,9 +151,9 @@ def _assert_same(a: dict, b: dict) -> None:
 # Events
 
 
-def test_held_keys_taps_and_scripts_drive_the_camera(pipe, pool, image):
+def test_held_keys_taps_and_scripts_drive_the_camera(pipe, pool, pages, image):
     """Each block's key sets follow the rules, and its poses are the integrator's for exactly those keys."""
-    session = _session(pipe, pool, image)
+    session = _session(pipe, pool, pages, image)
     plan = [
         # (events posted before the block, the key sets the block must apply)
         ([{"event_id": 1, "keys": ["w"]}], _keys("w", "w", "w")),
@@ -186,8 +193,8 @@ def test_held_keys_taps_and_scripts_drive_the_camera(pipe, pool, image):
     ({"event_id": 11, "keys": [], "prompt": "   "}, "empty"),
     (["w"], "JSON object"),
 ])
-def test_bad_events_are_refused_and_change_nothing(pipe, pool, image, raw, message):
-    session = _session(pipe, pool, image)
+def test_bad_events_are_refused_and_change_nothing(pipe, pool, pages, image, raw, message):
+    session = _session(pipe, pool, pages, image)
     session.post_event({"event_id": 5, "keys": ["w"]})
     session.step()
     session.post_event({"event_id": 10, "keys": ["a"]})
@@ -200,8 +207,8 @@ def test_bad_events_are_refused_and_change_nothing(pipe, pool, image, raw, messa
     session.close()
 
 
-def test_full_queue_is_refused_until_a_block_drains_it(pipe, pool, image):
-    session = _session(pipe, pool, image, max_queued_events=3)
+def test_full_queue_is_refused_until_a_block_drains_it(pipe, pool, pages, image):
+    session = _session(pipe, pool, pages, image, max_queued_events=3)
     for event_id in range(3):
         session.post_event({"event_id": event_id, "frames": [[], [], []]})
     before = _snapshot(session)
@@ -234,7 +241,7 @@ def _drive(session: Session, block: int) -> None:
 def reference_run(pipe, image):
     """Blocks 0..3 without any failure, and the session state after each."""
     pool = pipe.new_pool(CONFIG.transformer.sliding_window_num_frames)
-    session = Session("ref", pipe, pool, _request(pipe, image))
+    session = Session("ref", pipe, pool, PageAllocator(pool.num_pages), _request(pipe, image))
     outputs, states = [], []
     for block in range(4):
         _drive(session, block)
@@ -245,22 +252,23 @@ def reference_run(pipe, image):
 
 
 @pytest.mark.parametrize("stage", ["text", "condition", "denoise", "commit", "decode", "done"])
-def test_failed_block_leaves_state_byte_identical_and_retry_equals_reference(pipe, pool, image, reference_run,
+def test_failed_block_leaves_state_byte_identical_and_retry_equals_reference(pipe, pool, pages, image,
+                                                                             reference_run,
                                                                              stage):
     outputs, states = reference_run
-    session = _session(pipe, pool, image)
+    session = _session(pipe, pool, pages, image)
     for block in range(FAIL_AT_BLOCK):
         _drive(session, block)
         session.step()
     _drive(session, FAIL_AT_BLOCK)
-    before, pages_in_use = _snapshot(session), pool.allocator.num_in_use
+    before, pages_in_use = _snapshot(session), pages.num_in_use
     seen = []
     with pytest.raises(RuntimeError, match="injected failure"):
         session.step(on_stage=_fail_at(stage, seen))
     assert seen[-1] == stage
     assert session.status is SessionStatus.FAILED and "injected failure" in session.last_error
     _assert_same(before, _snapshot(session))
-    assert pool.allocator.num_in_use == pages_in_use
+    assert pages.num_in_use == pages_in_use
 
     for block in range(FAIL_AT_BLOCK, 4):
         if block > FAIL_AT_BLOCK:
@@ -273,9 +281,9 @@ def test_failed_block_leaves_state_byte_identical_and_retry_equals_reference(pip
     session.close()
 
 
-def test_failures_at_block_zero_and_repeated_failures_keep_the_state(pipe, pool, image, reference_run):
+def test_failures_at_block_zero_and_repeated_failures_keep_the_state(pipe, pool, pages, image, reference_run):
     outputs, _ = reference_run
-    session = _session(pipe, pool, image)
+    session = _session(pipe, pool, pages, image)
     _drive(session, 0)
     before = _snapshot(session)
     for stage in ("condition", "decode", "commit"):
@@ -286,11 +294,11 @@ def test_failures_at_block_zero_and_repeated_failures_keep_the_state(pipe, pool,
     session.close()
 
 
-def test_close_returns_every_page_and_a_closed_session_refuses_everything(pipe, pool, image):
-    session = _session(pipe, pool, image)
+def test_close_returns_every_page_and_a_closed_session_refuses_everything(pipe, pool, pages, image):
+    session = _session(pipe, pool, pages, image)
     session.step()
     session.close()
-    assert pool.allocator.num_in_use == 0 and session.rollout is None
+    assert pages.num_in_use == 0 and session.rollout is None
     with pytest.raises(SessionClosed):
         session.post_event({"event_id": 0, "keys": []})
     with pytest.raises(SessionClosed):
@@ -306,14 +314,15 @@ def test_pages_stay_bounded_and_the_window_ring_recycles_them(pipe, image):
     """Sink + recent pages after every block however long the rollout, keyed by absolute frame."""
     t = CONFIG.transformer
     pool = pipe.new_pool(t.sliding_window_num_frames)  # one window: any leaked page would exhaust it
-    session = Session("s", pipe, pool, _request(pipe, image))
+    pages = PageAllocator(pool.num_pages)
+    session = Session("s", pipe, pool, pages, _request(pipe, image))
     expected = [[0, 1, 2], [0, 1, 2, 3, 4, 5]] + [[0, 1, 2, 3 * k, 3 * k + 1, 3 * k + 2] for k in range(2, 7)]
     for block in range(7):
         session.step()
         assert sorted(session.rollout.kv.frame_pages) == expected[block]
-        assert pool.allocator.num_in_use == len(expected[block])
+        assert pages.num_in_use == len(expected[block])
     session.close()
-    assert pool.allocator.num_in_use == 0
+    assert pages.num_in_use == 0
 
 
 def _live_bytes(session: Session, extra=None) -> int:
@@ -347,10 +356,10 @@ class _TensorsMade(TorchDispatchMode):
         return [t for ref in self.made if (t := ref()) is not None and t.untyped_storage().data_ptr() not in shared]
 
 
-def test_the_footprint_probe_equals_the_peaks_of_a_real_rollout(pipe, pool, image):
+def test_the_footprint_probe_equals_the_peaks_of_a_real_rollout(pipe, pool, pages, image):
     """The probe streams a small frame and scales by area; the real session at full size holds the same bytes."""
     footprint = measure_footprint(pipe)
-    session = _session(pipe, pool, image)
+    session = _session(pipe, pool, pages, image)
     condition, decoder, message = session.rollout.condition.nbytes(), 0, 0
     for _ in range(4):
         output = session.step()
@@ -363,9 +372,9 @@ def test_the_footprint_probe_equals_the_peaks_of_a_real_rollout(pipe, pool, imag
     session.close()
 
 
-def test_accounted_bytes_match_the_live_tensors_between_and_during_blocks(pipe, pool, image):
+def test_accounted_bytes_match_the_live_tensors_between_and_during_blocks(pipe, pool, pages, image):
     footprint = measure_footprint(pipe)
-    session = _session(pipe, pool, image, footprint=footprint)
+    session = _session(pipe, pool, pages, image, footprint=footprint)
     during = []
 
     def inspect_block(stage, made):
@@ -375,7 +384,7 @@ def test_accounted_bytes_match_the_live_tensors_between_and_during_blocks(pipe, 
         # in-flight bytes. The pool's tensors are shared, not the session's.
         committed_pages = len(session.rollout.kv.frame_pages)
         tensors = made.alive(exclude=[pool.k, pool.v])
-        live = _live_bytes(session, (tensors, pool.allocator.num_in_use - committed_pages))
+        live = _live_bytes(session, (tensors, pages.num_in_use - committed_pages))
         during.append((live, sum(session.nbytes().values())))
 
     assert sum(session.nbytes().values()) == pytest.approx(_live_bytes(session), rel=0.10)
@@ -403,14 +412,14 @@ def test_accounted_bytes_match_the_live_tensors_between_and_during_blocks(pipe, 
 # Lifecycle, reset, replay
 
 
-def test_bad_image_prompt_or_seed_holds_nothing(pipe, pool, image):
+def test_bad_image_prompt_or_seed_holds_nothing(pipe, pool, pages, image):
     with pytest.raises(ImageError):
-        _session(pipe, pool, b"not an image")
+        _session(pipe, pool, pages, b"not an image")
     with pytest.raises(PromptError):
-        _session(pipe, pool, image, prompt=" ")
+        _session(pipe, pool, pages, image, prompt=" ")
     with pytest.raises(ValueError, match="seed"):
-        _session(pipe, pool, image, seed=1.5)
-    session = _session(pipe, pool, image)
+        _session(pipe, pool, pages, image, seed=1.5)
+    session = _session(pipe, pool, pages, image)
     session.step()
     before = _snapshot(session)
     with pytest.raises(ImageError):
@@ -419,20 +428,20 @@ def test_bad_image_prompt_or_seed_holds_nothing(pipe, pool, image):
     session.close()
 
 
-def test_reset_starts_a_new_world_and_event_ids_stay_monotonic(pipe, pool, image):
-    fresh = _session(pipe, pool, np.flipud(image).copy(), seed=3, prompt=OTHER_PROMPT)
+def test_reset_starts_a_new_world_and_event_ids_stay_monotonic(pipe, pool, pages, image):
+    fresh = _session(pipe, pool, pages, np.flipud(image).copy(), seed=3, prompt=OTHER_PROMPT)
     fresh.post_event({"event_id": 0, "keys": ["d"]})
     expected = fresh.step()
     fresh.close()
 
-    session = _session(pipe, pool, image)
+    session = _session(pipe, pool, pages, image)
     session.post_event({"event_id": 4, "keys": ["w"]})
     session.step()
     session.step()
     session.post_event({"event_id": 9, "keys": ["a"]})  # queued, then dropped by the reset
     session.reset(_request(pipe, np.flipud(image).copy(), OTHER_PROMPT, 3))
     assert session.block_index == 0 and not session.queue and session.held_keys == frozenset()
-    assert pool.allocator.num_in_use == 0  # the old world's pages went back at once
+    assert pages.num_in_use == 0  # the old world's pages went back at once
     assert session.replay.seed == 3 and session.replay.blocks == []
     with pytest.raises(EventError, match="stale"):
         session.post_event({"event_id": 9, "keys": ["d"]})
@@ -443,8 +452,8 @@ def test_reset_starts_a_new_world_and_event_ids_stay_monotonic(pipe, pool, image
     session.close()
 
 
-def test_replay_reproduces_the_identical_latents_offline(pipe, pool, image, tmp_path):
-    session = _session(pipe, pool, image)
+def test_replay_reproduces_the_identical_latents_offline(pipe, pool, pages, image, tmp_path):
+    session = _session(pipe, pool, pages, image)
     script = {
         0: [{"event_id": 0, "keys": ["w"]}],
         1: [{"event_id": 1, "keys": ["w", "j"]}, {"event_id": 2, "keys": ["w"]}],

@@ -7,6 +7,7 @@ from lingbot_core.kv_cache import KVPagePool, SessionKV
 from lingbot_core.model.transformer import CausalLingBotWorldTransformer3DModel
 from training.world import RecordKV, _CommitKV, ReadKV, rollout_context, teacher_forced_loss
 from lingbot_core.model.attention import context_frames
+from lingbot_core.pages import PageAllocator
 
 
 def _model_and_inputs(blocks: int):
@@ -30,6 +31,7 @@ def test_training_forwards_equal_the_paged_cache_forwards_across_the_sliding_win
     config, model, x0, extra, plucker, text_kv = _model_and_inputs(blocks)
     per_block, tokens = config.transformer.num_frames_per_block, config.tokens_per_frame
     pool = KVPagePool(config, 16, torch.float32, "cpu")
+    page_ids = PageAllocator(pool.num_pages)
     table = SessionKV.empty()
     record = RecordKV()
     x_t = torch.randn_like(x0)
@@ -44,10 +46,10 @@ def test_training_forwards_equal_the_paged_cache_forwards_across_the_sliding_win
         torch.testing.assert_close(trained, paged, rtol=1e-5, atol=1e-5)
         # commit the clean block both ways
         clean = torch.cat([x0[:, :, own], extra[:, :, own]], 1)
-        pages = pool.allocator.allocate(per_block)
+        pages = page_ids.allocate(per_block)
         model(clean, torch.zeros(1), text_kv, plucker[:, own], start, cache=table.view(pool, config, start, pages))
         table, dropped = table.after_commit(config, start, pages)
-        pool.allocator.free(dropped)
+        page_ids.free(dropped)
         commit = _CommitKV(record, ctx, tokens)
         model(clean, torch.zeros(1), text_kv, plucker[:, own], start, cache=commit)
         record.append(commit)

@@ -253,7 +253,7 @@ class Engine:
 
     def _setup(self, pipeline: Pipeline | Callable[[], Pipeline]) -> None:
         """Load (if given a loader), then the one memory probe and plan (serving/memory.py): the budget, the
-        capacity and the page pool, whose allocator the engine keeps and admits by."""
+        capacity, the page pool's tensors and their bookkeeping (the allocator), which the engine owns and admits by."""
         self.pipeline = pipeline if isinstance(pipeline, Pipeline) else pipeline()
         config = self.config
         with maybe_stage(self._log, "memory probe") as details:
@@ -265,7 +265,7 @@ class Engine:
                            f"{self.block_reserve / 2**20:.1f} MiB for the running block")
         self.conditions = ConditionCache(self.memory.condition_reserve)
         self.pages = PageAllocator(self.memory.pool_pages)
-        self.pool = self.pipeline.new_pool(self.memory.pool_pages, self.pages)
+        self.pool = self.pipeline.new_pool(self.memory.pool_pages)
 
     # The plan's figures, by their names in stats() and the tests.
     footprint = property(lambda self: self.memory.footprint)
@@ -339,8 +339,8 @@ class Engine:
         with self._lock:
             if not self._fits_locked():
                 self._evict_lru_idle_locked()
-        session = Session(session_id, self.pipeline, self.pool, request, self.config.max_queued_events, self.clock,
-                          self.footprint, self.conditions)
+        session = Session(session_id, self.pipeline, self.pool, self.pages, request, self.config.max_queued_events,
+                          self.clock, self.footprint, self.conditions)
         with self._lock:
             if queued is not None:
                 if self._waiting.get(session_id) is not queued:  # it left the line meanwhile

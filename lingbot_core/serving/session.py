@@ -32,6 +32,7 @@ from ..condition_cache import ConditionCache
 from ..events import Event, EventError, KeyStateEvent, ScriptEvent, parse_event
 from ..image import image_digest
 from ..kv_cache import KVPagePool
+from ..pages import PageAllocator
 from ..model.text import PromptError, normalize_prompt
 from ..requests import StartRequest
 from ..rollout import BlockControl, BlockOutput, RolloutState, release
@@ -106,15 +107,18 @@ class _Plan:
 
 
 class Session:
-    def __init__(self, session_id: str, pipeline, pool: KVPagePool, request: StartRequest,
+    def __init__(self, session_id: str, pipeline, pool: KVPagePool, pages: PageAllocator, request: StartRequest,
                  max_queued_events: int = 64, clock: Callable[[], float] = time.monotonic,
                  footprint: Footprint | None = None, conditions: ConditionCache | None = None) -> None:
-        """conditions: where sessions share one condition stream per start picture (the engine's cache)."""
+        """pool, pages: the K/V tensors and their owner's bookkeeping (the engine's; a session takes and returns
+        pages, it never sizes or owns them). conditions: where sessions share one condition stream per start
+        picture (the engine's cache)."""
         if max_queued_events < 1:
             raise ValueError(f"max_queued_events must be at least 1, got {max_queued_events}")
         self.session_id = session_id
         self.pipeline = pipeline
         self.pool = pool
+        self.pages = pages
         self.max_queued_events = max_queued_events
         self.clock = clock
         self.footprint = footprint
@@ -150,7 +154,7 @@ class Session:
             self.last_error = None
             self.last_input = self.clock()
         if old is not None:
-            release(self.pool, old)
+            release(self.pages, old)
 
     def reset(self, request: StartRequest) -> None:
         """A new world in the same session; event ids keep increasing from where they were."""
@@ -167,7 +171,7 @@ class Session:
             self.queue.clear()
             rollout, self.rollout = self.rollout, None
         if rollout is not None:
-            release(self.pool, rollout)
+            release(self.pages, rollout)
 
     @property
     def block_index(self) -> int:
@@ -261,7 +265,7 @@ class Session:
                 if on_stage is not None:
                     on_stage("text")
                 state = self.pipeline.with_prompt(state, plan.control.prompt)  # text K/V once per switch
-            output, committed = self.pipeline.step(self.pool, state, plan.control, on_stage=on_stage)
+            output, committed = self.pipeline.step(self.pool, self.pages, state, plan.control, on_stage=on_stage)
         except BaseException as exc:
             with self._lock:
                 self._in_flight = {}
