@@ -1,7 +1,7 @@
 """An upstream-like SGLang realtime server for the remote backend's tests, written from the reference
 (../shared/reference/sglang-realtime-protocol.md) with plain msgpack maps, not with our codec.
 
-Like upstream it serves ONE session at a time: a second connection waits a moment, then gets the error
+Like upstream it serves ONE session at a time: a second connection waits up to 1 s, then gets the error
 "another realtime session is already active" and close 1008. A session is continuous (no max_chunks) unless
 the init asks for max_chunks: chunk 0 has 9 frames (inline payload), later chunks 12 (73 KB: the
 frame_batch_header + payload form), one every `interval_s`. Each chunk carries the id of the last event
@@ -74,16 +74,20 @@ class FakeUpstream:
             self.connections.append(ws)
         try:
             init = msgpack.unpackb(ws.recv(timeout=10), raw=False)
-            with self.lock:
-                refuse = self.busy or self.active is not None
-                if not refuse:
-                    self.active = ws
-                    self.inits.append(init)
-                    self.events.append([])
-                    self.chunks.append([])
-                    number = len(self.inits) - 1
+            deadline = time.monotonic() + 1.0  # upstream waits about a second for the other session to end
+            while True:
+                with self.lock:
+                    refuse = self.busy or self.active is not None
+                    if not refuse:
+                        self.active = ws
+                        self.inits.append(init)
+                        self.events.append([])
+                        self.chunks.append([])
+                        number = len(self.inits) - 1
+                if not refuse or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
             if refuse:
-                time.sleep(0.1)  # upstream waits about a second for the other session to end
                 self.refused += 1
                 self._send(ws, {"type": "error", "content": BUSY_TEXT})
                 ws.close(1008, BUSY_TEXT)
