@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import threading
 import time
 import uuid
@@ -58,6 +59,7 @@ from ..serving.session import Replay, SessionStatus
 from ..video import H264Writer
 from .actions import CameraInput, script_payload, state_payload
 from .client import Ended, Outcome, RealtimeClient, ReceivedChunk, RemoteClosed, RemoteUnavailable
+from .model_config import remote_model_config
 from .pool import Server, ServerPool, ServerState
 from .protocol import InitRequest
 
@@ -66,6 +68,10 @@ log = logging.getLogger(__name__)
 
 class RenderRefused(ValueError):
     """An offline render this backend cannot do right (a trajectory, a prompt switch) or cannot seat now."""
+
+
+class RemoteRenderFailed(RuntimeError):
+    """An offline render's server failed or could not be reached (the message names it); no file is left."""
 
 
 @dataclass(frozen=True)
@@ -620,17 +626,18 @@ class RemoteEngine:
                     if isinstance(item, Ended):
                         break
                     if item.frames.shape[1:] != (config.height, config.width, 3):
-                        raise RuntimeError(f"{server.url} sent {item.frames.shape[2]}x{item.frames.shape[1]} "
+                        raise RemoteRenderFailed(f"{server.url} sent {item.frames.shape[2]}x{item.frames.shape[1]} "
                                            f"frames; this app plays {config.width}x{config.height}")
                     writer.write(item.frames)
                     written += 1
             finally:
                 writer.close()
             if item.outcome is not Outcome.COMPLETED or written != len(request.controls):
-                raise RuntimeError(f"{server.url}: {item.message} after {written} of {len(request.controls)} blocks")
+                raise RemoteRenderFailed(f"{server.url}: {item.message} after {written} of "
+                                         f"{len(request.controls)} blocks")
             finished = True
         except RemoteUnavailable as exc:
-            raise RuntimeError(f"{server.url} could not be reached: {exc}") from None
+            raise RemoteRenderFailed(f"{server.url} could not be reached: {exc}") from None
         finally:
             if client is not None:
                 client.close()
@@ -695,3 +702,25 @@ class RemoteEngine:
 
     def __exit__(self, *exc_info) -> None:
         self.shutdown()
+
+
+def sglang_urls(urls=None, environ=os.environ) -> list[str]:
+    """The servers named on the command line (--sglang-url, repeatable), else $LINGBOT_SGLANG_URLS (comma
+    separated)."""
+    given = [u.strip() for u in (urls or []) if u and u.strip()]
+    if given:
+        return given
+    return [u.strip() for u in environ.get("LINGBOT_SGLANG_URLS", "").split(",") if u.strip()]
+
+
+def create_remote_engine(urls=None, model: str | None = None, config: EngineConfig = EngineConfig(),
+                         remote: RemoteConfig = RemoteConfig(), environ=os.environ) -> RemoteEngine:
+    """The app's `--backend sglang`: a RemoteEngine over the given servers (or $LINGBOT_SGLANG_URLS); the model
+    config from `model`, $LINGBOT_MODEL or $LINGBOT_TEST_PRESET (tests), else the 14B preset
+    (remote/model_config.py). Loads no weights. ValueError names what is missing."""
+    urls = sglang_urls(urls, environ)
+    if not urls:
+        raise ValueError("--backend sglang needs the realtime servers: --sglang-url ws://host:port (repeat it for "
+                         "each server) or LINGBOT_SGLANG_URLS=ws://h1:30000,ws://h2:30000")
+    model = model or environ.get("LINGBOT_MODEL") or environ.get("LINGBOT_TEST_PRESET") or None
+    return RemoteEngine(urls, remote_model_config(model), config, remote)
