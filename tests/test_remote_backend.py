@@ -153,6 +153,8 @@ def test_a_world_plays_with_keys_prompt_reset_and_stop(servers, request_for):
             engine.post_event(sid, KeyStateEvent(7, frozenset()))
         wait_for(lambda: server.open_connections() == 0, "the server's sockets to close")
         assert engine.stats()["active_sessions"] == 0
+        wait_for(lambda: not any(t.name == f"lingbot-remote-{sid[:8]}" for t in threading.enumerate()),
+                 "the session's thread to end")  # before shutdown: a closed session leaves no thread
     finally:
         engine.shutdown()
     assert no_remote_threads()
@@ -257,6 +259,18 @@ def test_an_unreachable_server_is_marked_down_and_the_next_one_serves(servers, r
         take(engine, sid, NewWorld)
         np.testing.assert_array_equal(take(engine, sid).pixels, sent_frames(alive, 0, 0))
         assert engine.pool.servers[0].state is ServerState.DOWN
+    finally:
+        engine.shutdown()
+
+
+def test_a_server_playing_another_size_is_refused_clearly(servers, request_for):
+    other = servers()
+    other.width = 32  # serves 32x32 frames to a 64x32 app
+    engine = engine_for(other, remote={"max_restarts": 0})
+    try:
+        sid = engine.admit(request_for()).session_id
+        closed = take(engine, sid, Closed, skip=())
+        assert "sent 32x32 frames, this app plays 64x32" in closed.reason
     finally:
         engine.shutdown()
 

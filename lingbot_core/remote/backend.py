@@ -322,6 +322,13 @@ class RemoteEngine:
             with self._lock:
                 if session.generation != generation or session.closed:
                     return  # a reset or a close ended this connection (item is our own CLOSED)
+                config = self._model_config
+                if isinstance(item, ReceivedChunk) and item.frames.shape[1:3] != (config.height, config.width):
+                    # Another model or size than this app plays: its frames cannot join this stream.
+                    self._lost_locked(session, server, ServerState.DOWN,
+                                      f"it sent {item.frames.shape[2]}x{item.frames.shape[1]} frames, this app plays "
+                                      f"{config.width}x{config.height} (does --model name the model it serves?)")
+                    return
                 if isinstance(item, ReceivedChunk):
                     now = time.monotonic()
                     self._take_chunk_locked(session, server, item, 1000.0 * (now - last))
