@@ -369,3 +369,23 @@ def test_server_pool_backoff_doubles_and_resets():
         ServerPool(["ws://a:1", "ws://a:1"])
     with pytest.raises(ValueError, match="ws://host:port"):
         ServerPool(["http://a:1"])
+
+
+def test_a_place_in_line_can_be_withdrawn_or_expires_unread(servers, request_for):
+    server = servers()
+    clock = FakeClock()
+    engine = engine_for(server, clock=clock, ticket_ttl_s=30.0)
+    try:
+        seated = engine.admit(request_for(seed=1)).session_id
+        waiting = engine.admit(request_for(seed=2))
+        assert waiting.admission is Admission.WAITING
+        assert not engine.withdraw(seated) and engine.withdraw(waiting.session_id, "the viewer left")
+        assert engine.next_message(waiting.session_id) == Closed("the viewer left")
+        unread = engine.admit(request_for(seed=3)).session_id
+        clock.now += 31  # nobody reads its outbox
+        engine.post_event(seated, KeyStateEvent(1, frozenset()))  # the seated one is not idle
+        engine.housekeeping()
+        assert "nobody waited for 30 s" in engine.next_message(unread).reason
+        assert engine.stats()["waiting"] == 0 and engine.session_status(seated)["status"] == "active"
+    finally:
+        engine.shutdown()

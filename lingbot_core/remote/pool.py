@@ -66,14 +66,6 @@ class ServerPool:
         server.holder = holder
         return server
 
-    def take_url(self, holder: str, url: str, now: float) -> Server | None:
-        """The server at `url` if it is free (a reset keeps its seat)."""
-        for server in self.servers:
-            if server.url == url and server.free(now):
-                server.holder = holder
-                return server
-        return None
-
     def release(self, server: Server, holder: str) -> None:
         if server.holder == holder:
             server.holder = None
