@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import httpx
-import numpy as np
+import pytest
 
 from app_driver import FOREST, free_port, stream_outputs
 import app as lingbot_app
@@ -66,8 +66,6 @@ def test_the_app_plays_a_remote_world_with_keys_stop_and_download(tmp_path):
 
 
 def test_the_sglang_backend_needs_its_servers():
-    import pytest
-
     with pytest.raises(ValueError, match="--sglang-url"):
         create_remote_engine([], environ={})
     engine = create_remote_engine(None, environ={"LINGBOT_SGLANG_URLS": "ws://a:1, ws://b:1"},
