@@ -1,6 +1,7 @@
 """LingBot-World v2 in the browser: upload an image, press Start, walk around with W A S D / I J K L.
 
     python app.py [--model embedded|OWNER/NAME|FOLDER] [--max-sessions N] [--port P]
+    python app.py --backend sglang --sglang-url ws://h1:30000 --sglang-url ws://h2:30000   # no local model
 
 Gradio widgets and wiring only. The world lives in the engine (lingbot_core/serving/engine.py); each
 viewer's stream, pacing, actions and downloads live in lingbot_core/serving/streaming.py. Named API
@@ -17,7 +18,8 @@ endpoints, usable from gradio_client (see examples/client.py):
     /generate(image, prompt, seed, script, script_file, poses, intrinsics, example_files) -> (MP4, message)
                                          example_files: an official example folder's files, dropped together
 
-Environment: LINGBOT_MODEL (same as --model), GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (read by Gradio),
+Environment: LINGBOT_MODEL (same as --model), LINGBOT_SGLANG_URLS (comma separated, same as --sglang-url),
+GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (read by Gradio),
 LINGBOT_TEST_PRESET=tiny (tests only: a 32x64 model with random weights, for fast CPU checks).
 """
 
@@ -54,6 +56,7 @@ from lingbot_core.model import camera
 from lingbot_core.pipeline import load_pipeline
 from lingbot_core.allocator import keep_freed_memory
 from lingbot_core.precision import AUTO, DTYPE_CHOICES
+from lingbot_core.remote.backend import RemoteEngine, RemoteRenderFailed, RenderRefused, create_remote_engine
 from lingbot_core.startup import StartupLog
 from lingbot_core.serving.engine import Engine, EngineConfig
 from lingbot_core.requests import parse_start
@@ -201,7 +204,7 @@ def generate_offline(engine: Engine, image, prompt, seed, script_text, script_fi
     is cut to max_blocks, as upstream cuts a trajectory to the requested video; the message says so. The
     inputs are parsed here, once, into a RenderRequest; the render runs on the engine's model thread.
     """
-    config = engine.pipeline.config
+    config = engine.model_config
     frames_per_block = config.transformer.num_frames_per_block
     has_script = bool(script_file) or bool(script_text and script_text.strip())
     has_trajectory = bool(poses_file) or bool(intrinsics_file)
@@ -249,7 +252,10 @@ def generate_offline(engine: Engine, image, prompt, seed, script_text, script_fi
     handle, name = tempfile.mkstemp(suffix=".mp4", prefix="lingbot-offline-", dir=out_dir)
     os.close(handle)  # the writer opens the file by name
     out = Path(name)
-    blocks = engine.render(RenderRequest(start, tuple(controls), start_camera), out)
+    try:
+        blocks = engine.render(RenderRequest(start, tuple(controls), start_camera), out)
+    except (RenderRefused, RemoteRenderFailed) as exc:  # the remote backend's: a clear message, no file left
+        raise StreamError(str(exc)) from None
     frames = config.pixel_frames_for_blocks(blocks)
     return str(out), f"{blocks} blocks, {frames} frames at {config.fps} FPS ({frames / config.fps:.2f} s){note}"
 
@@ -390,7 +396,7 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
     and is removed by DemoApp.close; a plain path stays the caller's. delete_cache: Gradio's (every,
     older than) seconds for removing its cached uploads and downloads.
     """
-    config = engine.pipeline.config
+    config = engine.model_config
     owned = workdir if isinstance(workdir, WorkFolder) else (WorkFolder.create() if workdir is None else None)
     workdir = owned.path if owned is not None else Path(workdir)
     service = LiveService(engine, workdir / "recordings", stream_config)
@@ -656,7 +662,10 @@ def _header(config, engine: Engine) -> str:
     text = (f"# LingBot-World v2 — realtime world model\n"
             f"Model **{config.name}**, {config.width}×{config.height} at {config.fps} FPS, "
             f"{config.pixel_frames_per_block} frames per block; up to {engine.capacity} worlds at once.")
-    precision = engine.pipeline.precision
+    if isinstance(engine, RemoteEngine):
+        text += (f" Plays from **{engine.capacity} remote SGLang realtime server(s)**, one world per server "
+                 f"({', '.join(engine.urls)}).")
+    precision = engine.pipeline.precision if isinstance(engine, Engine) else None
     if precision is not None:
         text += f" Precision **{precision.name}**: {precision.reason}."
     if not config.trained:
@@ -679,6 +688,12 @@ def _header(config, engine: Engine) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=("local", "sglang"), default="local",
+                        help="local (default): run the model here; sglang: play every world on a pool of SGLang "
+                             "realtime servers (one world per server) and load no model")
+    parser.add_argument("--sglang-url", action="append", default=[], metavar="URL",
+                        help="a realtime server, ws://host:port (repeat for each; default $LINGBOT_SGLANG_URLS, "
+                             "comma separated); with --backend sglang")
     parser.add_argument("--model", help="embedded (default), a local diffusers folder, or a Hub id "
                                         "(downloaded); default $LINGBOT_MODEL")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
@@ -715,11 +730,21 @@ def main(argv: list[str] | None = None) -> None:
     log.note(f"starting: torch {torch.__version__}, {torch.get_num_threads()} threads, "
              f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {keep_freed_memory()}")
     budget = int(args.memory_budget_gib * 2**30) if args.memory_budget_gib else None
-    device = args.device or os.environ.get("LINGBOT_DEVICE") or default_device()
-    max_sessions = args.max_sessions or (2 if device == "cpu" else None)
-    engine = create_engine(args.model, device=device, dtype=args.dtype, compile=args.compile, log=log,
-                           engine_config=EngineConfig(memory_budget_bytes=budget, max_sessions=max_sessions,
-                                                      idle_ttl_s=args.idle_ttl))
+    if args.backend == "sglang":  # no model here: the servers hold it (lingbot_core/remote/backend.py)
+        try:
+            engine = create_remote_engine(args.sglang_url, args.model, EngineConfig(idle_ttl_s=args.idle_ttl))
+        except ValueError as exc:
+            parser.error(str(exc))
+        log.note(f"remote backend: {engine.capacity} SGLang realtime server(s), model config "
+                 f"{engine.model_config.name} ({engine.model_config.width}x{engine.model_config.height})")
+    else:
+        if args.sglang_url:
+            parser.error("--sglang-url needs --backend sglang")
+        device = args.device or os.environ.get("LINGBOT_DEVICE") or default_device()
+        max_sessions = args.max_sessions or (2 if device == "cpu" else None)
+        engine = create_engine(args.model, device=device, dtype=args.dtype, compile=args.compile, log=log,
+                               engine_config=EngineConfig(memory_budget_bytes=budget, max_sessions=max_sessions,
+                                                          idle_ttl_s=args.idle_ttl))
     with log.stage("build the page"):
         app = build_demo(engine, stream_config=StreamConfig(max_streams_per_address=args.max_per_address),
                          offline_max_blocks=args.offline_max_blocks, workdir=workdir)

@@ -151,7 +151,7 @@ class Block:
 
     block_index: int
     pixels: np.ndarray  # [T, H, W, 3] uint8, ready to encode (converted on the model thread)
-    latents: torch.Tensor  # [1, z, F, h, w] clean, normalised, on the CPU
+    latents: torch.Tensor | None  # [1, z, F, h, w] clean, normalised, on the CPU; None from a remote server
     stage_ms: dict[str, float]
     block_ms: float
     replay_entry: dict[str, Any]  # the replay log's record of this block (key sets, event ids, a new prompt)
@@ -160,6 +160,8 @@ class Block:
     # render the true scene along it (lingbot_core/world/ground_truth.py).
     poses: np.ndarray | None = None
     start_pose: np.ndarray | None = None
+    # A remote block's server and figures (lingbot_core/remote/backend.py): server, forward_ms, total_ms, bytes.
+    source: dict[str, Any] | None = None
 
     @property
     def event_ids(self) -> tuple[int, ...]:
@@ -266,6 +268,11 @@ class Engine:
         self.conditions = ConditionCache(self.memory.condition_reserve)
         self.pages = PageAllocator(self.memory.pool_pages)
         self.pool = self.pipeline.new_pool(self.memory.pool_pages)
+
+    @property
+    def model_config(self):
+        """The model's config (frame size, rate, block length), as every backend gives it."""
+        return self.pipeline.config
 
     # The plan's figures, by their names in stats() and the tests.
     footprint = property(lambda self: self.memory.footprint)

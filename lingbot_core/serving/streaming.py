@@ -147,6 +147,11 @@ def telemetry_line(block: Block, frames: int, fps: int, status: dict[str, Any] |
              f"{generated_fps:.1f} FPS generated (playback {fps})"]
     if key_ms is not None:
         parts.append(f"key → frame ≈ {key_ms:.0f} ms")
+    if block.source is not None:  # a remote server's block: its own figures (chunk_stats)
+        remote = block.source
+        figures = [f"{name} {remote[key]:.0f} ms" for name, key in (("forward", "forward_ms"), ("total", "total_ms"))
+                   if remote.get(key) is not None]
+        parts.append(f"from {remote['server']}: " + ", ".join(figures + [f"{remote['bytes'] / 2**20:.1f} MB"]))
     if status is not None:
         parts.append(f"session memory {status['bytes'] / 2**20:.1f} MiB")
         if status.get("queued_events"):
@@ -163,6 +168,12 @@ def _load_text(stats: dict[str, Any]) -> str:
     text = f"{stats['active_sessions']}/{stats['capacity']} sessions active"
     if stats.get("waiting"):
         text += f", {stats['waiting']} waiting"
+    if "servers_total" in stats:  # the remote backend: one seat per server
+        text += f" on {stats['servers_up']}/{stats['servers_total']} remote servers up"
+        trouble = [f"{stats[key]} {name}" for key, name in (("servers_busy", "busy"), ("servers_down", "down"))
+                   if stats.get(key)]
+        if trouble:
+            text += f" ({', '.join(trouble)})"
     return text
 
 
@@ -247,7 +258,7 @@ class LiveService:
         self.engine = engine
         self.config = config
         self.clock = clock
-        self.model_config = engine.pipeline.config
+        self.model_config = engine.model_config
         self.fps = self.model_config.fps
         self.recordings_root = Path(recordings_root)
         self.recordings_root.mkdir(parents=True, exist_ok=True)
@@ -387,6 +398,11 @@ class LiveService:
                 continue
             if isinstance(message, NewWorld):
                 await self._call(record.recording.new_world, message.replay)
+                continue
+            if isinstance(message, Waiting):  # a remote world whose server failed waits for the next free one
+                stats = await self._call(self.engine.stats)
+                yield StreamUpdate(None, waiting_line(message.position, stats), session_id)
+                just_sent = True
                 continue
             made_s = 1.1 * message.block_ms / 1000.0 + cfg.block_margin_s  # the block, its pixels, the scheduling
             block_s = made_s if block_s is None else 0.7 * block_s + 0.3 * made_s
