@@ -44,6 +44,7 @@ import binascii
 import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -460,8 +461,13 @@ def main(argv: list[str] | None = None) -> None:
               f"{engine.capacity} sessions at once)", flush=True)
 
     threading.Thread(target=announce, name="lingbot-serve-ready", daemon=True).start()
+    # uvicorn stops gracefully on SIGINT or SIGTERM, then raises the signal again; as KeyboardInterrupt
+    # (SIGTERM too, as app.py does) it ends here, after the shutdown, and the process exits 0.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         uvicorn_server.run()
+    except KeyboardInterrupt:
+        pass
     finally:
         server.close()
         engine.shutdown()

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import msgpack
@@ -167,14 +167,17 @@ class Client:
         assert message["type"] == "error", message
         return message
 
-    def chunk(self) -> Chunk:
-        """The next chunk's frame batches and its chunk_stats (error messages on the way are kept)."""
+    def chunk(self, until_error: bool = False) -> Chunk | None:
+        """The next chunk's frame batches and its chunk_stats (error messages on the way are kept); with
+        until_error, None as soon as an error message arrives between chunks."""
         batches, forms = [], []
         while True:
             message = self.message()
             kind = message["type"]
             if kind == "error":
                 self.errors.append(message)
+                if until_error and not batches:
+                    return None
             elif kind == "frame_batch":
                 batches.append((message, message["payload"]))
                 forms.append("inline")
@@ -367,7 +370,8 @@ def test_two_sessions_play_at_once_a_third_waits_and_a_full_line_is_refused(fres
     assert a.stats["session_id"] != b.stats["session_id"]
     assert set(fresh.engine.session_ids()) == {a.stats["session_id"], b.stats["session_id"]}
     third = Client(fresh.url)
-    third.init(seed=3)  # no seat: it waits in the engine's line (one place), silently as upstream
+    third.init(seed=3, condition_inputs={"camera_actions": [["k"]]})  # no seat: it waits in the engine's line
+    # (one place), silently as upstream; its init's camera actions wait with it
     wait_until(lambda: fresh.engine.stats()["waiting"] == 1, "the third to wait in line")
     fourth = Client(fresh.url)
     fourth.init(seed=4)
@@ -378,6 +382,7 @@ def test_two_sessions_play_at_once_a_third_waits_and_a_full_line_is_refused(fres
     first.close()  # its seat goes to the third
     c = third.chunk()
     assert c.stats["chunk_index"] == 0 and c.stats["session_id"] not in (a.stats["session_id"],)
+    assert fresh.blocks[c.stats["session_id"]][0].replay_entry["frames"] == [["k"], [], []]
     for client in (second, third):
         client.close()
 
@@ -422,6 +427,14 @@ def test_the_headless_command_serves_the_protocol():
         client.init(max_chunks=1)
         assert client.chunk().stats["num_frames"] == 9
         assert client.closed() == (1000, "generation complete")
+        playing = Client(base)
+        playing.init()  # a continuous session, open while the server stops
+        playing.chunk()
+        process.send_signal(signal.SIGINT)
+        code, _ = playing.closed()
+        assert code in (1000, 1001, 1012), code  # told, not dropped: uvicorn's restart code or ours
+        assert process.wait(timeout=WAIT_S) == 0
+        assert "Traceback" not in process.stdout.read()
     finally:
         process.send_signal(signal.SIGINT)  # Ctrl-C: uvicorn shuts down, the engine with it
         try:
@@ -446,3 +459,33 @@ def test_the_page_serves_the_protocol_on_its_own_port(server):
     assert chunk.stats["num_frames"] == 9 and chunk.frames.shape == (9, MODEL_H, MODEL_W, 3)
     assert client.closed() == (1000, "generation complete")
     wait_until(lambda: not engine.session_ids() and engine.pages.num_in_use == 0, "the page engine to drain")
+
+
+def test_a_failed_block_is_reported_and_the_session_goes_on(fresh, monkeypatch):
+    client = Client(fresh.url)
+    client.init()
+    session_id = client.chunk().stats["session_id"]
+    session = fresh.engine._sessions[session_id].session  # the engine's own object: its next block fails once
+    step = session.step
+
+    def fail_once(*args, **kwargs):
+        monkeypatch.setattr(session, "step", step)
+        raise RuntimeError("out of memory (a test)")
+
+    monkeypatch.setattr(session, "step", fail_once)
+    while client.chunk(until_error=True) is not None:  # a block or two made before the failing one
+        pass
+    assert client.errors[0]["content"].startswith("error during generate loop: ")
+    assert "out of memory (a test)" in client.errors[0]["content"]
+    client.event("camera_actions", {"mode": "state", "transitions": [{"actions": ["w"]}]}, 1)
+    client.chunk_echoing(1)  # it goes on (a block that failed with no new input waits for some)
+    client.close()
+
+
+def test_the_engine_closing_an_idle_session_ends_the_connection(fresh, monkeypatch):
+    monkeypatch.setattr(fresh.engine, "config", replace(fresh.engine.config, idle_ttl_s=1.0))
+    client = Client(fresh.url)
+    client.init()
+    client.chunk()
+    assert client.closed() == (1000, "no input for 1 s")  # the engine's words
+    assert client.errors[-1]["content"] == "session closed: no input for 1 s"
