@@ -14,16 +14,18 @@ by bytes (upstream refuses a second). A connection:
   `data:image/...` URL; this server fetches no URLs, so an http(s) URL is refused, as is no picture.
   The world is generated at the model's own size whatever `size` asks; every frame batch carries the
   true width and height. guidance_scale, num_inference_steps, fps and the causal sink/window knobs are
-  the model's own and are ignored. `condition_inputs.camera_actions` acts as a first event.
+  the model's own and are ignored. `condition_inputs.camera_actions` acts as a first event (queued with
+  the admission, so chunk 0 applies it).
 - is admitted by the engine, or waits in its line (nothing is sent meanwhile: upstream has no waiting
   message); a full line gets `error "CAPACITY_EXHAUSTED"` (the fork's reason) and close 1008.
 - then runs two tasks: one receives events (remote/inbound.py turns them into engine events under ids
   of ours, fed to the engine as its queue has room; an invalid one gets `error "invalid event"` and the
-  connection stays), one sends each block as frame batches (raw, webp or jpeg) and its `chunk_stats`.
+  connection stays), one sends each block as frame batches (raw, webp or jpeg) and its `chunk_stats`;
+  a chunk's `event_id` is the client's id of the last event its block applied (None: it applied none).
   When either ends, both end, and the engine session is closed (disconnect, shutdown, `max_chunks`:
   close 1000 "generation complete"). A failed block sends `error "error during generate loop: ..."`
-  and the session goes on; the engine closing the session (idle TTL, eviction) sends an error naming
-  why and closes 1000 (1001 when the server shuts down).
+  and the session goes on; the engine closing the session sends `error "session closed: <why>"` and
+  closes 1000 (idle TTL, eviction), 1001 (the server shuts down) or 1011 (the world could not start).
 Every engine call that may block runs on a thread pool, never on the event loop.
 
 chunk_stats: scheduler_forward_ms is the engine's block time; request_prepare_ms the init's picture
@@ -75,7 +77,8 @@ log = logging.getLogger(__name__)
 CAPACITY_EXHAUSTED = "CAPACITY_EXHAUSTED"  # the fork's refusal reason, sent when the engine's line is full
 CLOSE_GOING_AWAY = 1001  # the server shuts down
 CLOSE_INTERNAL = 1011  # a fault of ours
-SHUTDOWN_REASON = "server shutting down"  # the engine's close reason on shutdown (Engine.shutdown)
+SHUTDOWN_REASON = "server shutting down"  # the engine's close reasons (Engine.shutdown, its LRU eviction)
+EVICTED_REASON = "evicted after idling"
 
 
 @dataclass(frozen=True)
@@ -189,8 +192,8 @@ class _Connection:
                     await self.server.call(self.engine.close, self.session_id, self.end_reason)
             if self.ws.application_state is WebSocketState.CONNECTED and \
                     self.ws.client_state is WebSocketState.CONNECTED:
-                with contextlib.suppress(Exception):
-                    await self.ws.close(code, reason[:120])  # a close reason is at most 123 bytes
+                with contextlib.suppress(Exception):  # a close reason is at most 123 bytes of UTF-8
+                    await self.ws.close(code, reason.encode()[:123].decode(errors="ignore"))
 
     async def _handshake(self) -> tuple[InitRequest, StartRequest, float] | None:
         """Until a valid init: (it, its StartRequest, parse ms); None if the client left first."""
@@ -329,11 +332,17 @@ class _Connection:
                 return
 
     async def _closed(self, message: Closed) -> None:
-        """The engine ended the session (idle TTL, eviction, shutdown, a world that could not start)."""
+        """The engine ended the session: its policy (idle TTL, eviction: 1000), shutdown (1001), or a fault
+        (e.g. a world that could not start: 1011)."""
         self.end_reason = message.reason
-        shutdown = message.reason == SHUTDOWN_REASON
+        if message.reason == SHUTDOWN_REASON:
+            code = CLOSE_GOING_AWAY
+        elif message.idle or message.reason.startswith(EVICTED_REASON):
+            code = CLOSE_NORMAL
+        else:
+            code = CLOSE_INTERNAL
         await self._send_error(ErrorMessage(f"session closed: {message.reason}"))
-        raise _Ended(CLOSE_GOING_AWAY if shutdown else CLOSE_NORMAL, message.reason)
+        raise _Ended(code, message.reason)
 
     async def _stream(self, init: InitRequest, waiting: bool, prepare_ms: float) -> None:
         """Each block as frame batches and chunk_stats, until max_chunks or the engine ends the session."""
