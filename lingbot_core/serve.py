@@ -440,6 +440,8 @@ def main(argv: list[str] | None = None) -> None:
                                         "$LINGBOT_MODEL")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=AUTO)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile the blocks (default: where it pays, as app.py)")
     parser.add_argument("--max-sessions", type=int, help="cap on concurrent sessions on top of the memory budget "
                                                          "(default: 2 on a CPU, else none)")
     parser.add_argument("--memory-budget-gib", type=float, help="memory for sessions (default: half of what is free)")
@@ -450,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
     log_startup = StartupLog()
     device = args.device or os.environ.get("LINGBOT_DEVICE") or default_device()
     budget = int(args.memory_budget_gib * 2**30) if args.memory_budget_gib else None
-    engine = create_engine(args.model, device=device, dtype=args.dtype, log=log_startup,
+    engine = create_engine(args.model, device=device, dtype=args.dtype, compile=args.compile, log=log_startup,
                            engine_config=EngineConfig(memory_budget_bytes=budget, idle_ttl_s=args.idle_ttl,
                                                       max_sessions=args.max_sessions or (2 if device == "cpu" else None)))
     server = RealtimeServer(engine)
