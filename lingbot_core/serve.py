@@ -65,9 +65,9 @@ from .image import MAX_IMAGE_BYTES
 from .remote.batching import build_frame_batches
 from .remote.inbound import InboundEvents
 from .remote.protocol import (CLOSE_NORMAL, CLOSE_POLICY, GENERATE_LOOP_ERROR, GENERATE_PATH, GENERATION_COMPLETE,
-                              INVALID_REQUEST, MODELS_PATH, ChunkStats, ErrorMessage, EventMessage, FrameBatch,
-                              InitRequest, ProtocolError, decode_event, decode_init, encode_server_message,
-                              error_message)
+                              INVALID_EVENT, INVALID_REQUEST, MODELS_PATH, ChunkStats, ErrorMessage, EventMessage,
+                              FrameBatch, InitRequest, ProtocolError, decode_event, decode_init,
+                              encode_server_message, error_message)
 from .requests import StartRequest, parse_start
 from .serving.engine import (Admission, AdmissionRefused, Block, Closed, Engine, Failed, UnknownSession,
                              Waiting)
@@ -291,7 +291,7 @@ class _Connection:
             refused = await self.server.call(self._post, events)
             self.feed_ms += 1000.0 * (time.perf_counter() - started)
             for text in refused:
-                await self._send_error(ErrorMessage("invalid event", text))
+                await self._send_error(ErrorMessage(INVALID_EVENT, text))
 
     def _post(self, events) -> list[str]:
         refused = []
@@ -452,9 +452,10 @@ def main(argv: list[str] | None = None) -> None:
     log_startup = StartupLog()
     device = args.device or os.environ.get("LINGBOT_DEVICE") or default_device()
     budget = int(args.memory_budget_gib * 2**30) if args.memory_budget_gib else None
+    max_sessions = args.max_sessions or (2 if device == "cpu" else None)  # as app.py: compute runs out first
     engine = create_engine(args.model, device=device, dtype=args.dtype, compile=args.compile, log=log_startup,
                            engine_config=EngineConfig(memory_budget_bytes=budget, idle_ttl_s=args.idle_ttl,
-                                                      max_sessions=args.max_sessions or (2 if device == "cpu" else None)))
+                                                      max_sessions=max_sessions))
     server = RealtimeServer(engine)
     # No per-message deflate: frames do not shrink and a raw chunk is megabytes. An init carries the picture,
     # so incoming messages may be as large as the largest picture accepted.

@@ -489,3 +489,19 @@ def test_the_engine_closing_an_idle_session_ends_the_connection(fresh, monkeypat
     client.chunk()
     assert client.closed() == (1000, "no input for 1 s")  # the engine's words
     assert client.errors[-1]["content"] == "session closed: no input for 1 s"
+
+
+def test_a_full_length_script_waits_in_the_server_beyond_the_engines_event_queue(fresh):
+    """512 latent frames are 171 engine events, past the engine's queue of 64: none is refused."""
+    client = Client(fresh.url)
+    client.init()
+    session_id = client.chunk().stats["session_id"]
+    client.event("camera_actions", [["d"]] * 512, 1)
+    chunks = [client.chunk_echoing(1), client.chunk(), client.chunk()]
+    assert not client.errors
+    assert fresh.engine.session_status(session_id)["queued_events"] > 0
+    blocks = {b.block_index: b for b in fresh.blocks[session_id]}
+    for chunk in chunks:
+        assert chunk.stats["event_id"] == 1
+        assert blocks[chunk.stats["chunk_index"]].replay_entry["frames"] == [["d"]] * 3
+    client.close()
