@@ -121,6 +121,13 @@ class RealtimeServer:
                 raise
             return fn(*args)  # the pool is closed (the server is going down): a last cleanup runs here
 
+    def close_later(self, session_id: str, reason: str) -> None:
+        """Close a session or a place in line without waiting (it may wait for the model thread)."""
+        try:
+            self._executor.submit(self.engine.close, session_id, reason)
+        except RuntimeError:  # the pool is closed: close it here
+            self.engine.close(session_id, reason)
+
     def close(self) -> None:
         """Stop taking work on the pool; connections still open end when the engine or the socket does."""
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -158,6 +165,7 @@ class _Connection:
     async def run(self) -> None:
         await self.ws.accept()
         code, reason = CLOSE_NORMAL, ""
+        tasks: list[asyncio.Task] = []
         try:
             started = await self._handshake()
             if started is None:
@@ -168,9 +176,9 @@ class _Connection:
             if ticket.admission is Admission.WAITING:
                 log.info("session %s waits in the engine's line at position %s (nothing is sent while it waits)",
                          ticket.session_id, ticket.position)
-            receiver = asyncio.create_task(self._receive())
-            sender = asyncio.create_task(self._stream(init, ticket.admission is Admission.WAITING, prepare_ms))
-            done, pending = await asyncio.wait({receiver, sender}, return_when=asyncio.FIRST_COMPLETED)
+            tasks = [asyncio.create_task(self._receive()),
+                     asyncio.create_task(self._stream(init, ticket.admission is Admission.WAITING, prepare_ms))]
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
@@ -187,6 +195,8 @@ class _Connection:
             with contextlib.suppress(Exception):
                 await self._send_error(ErrorMessage(f"{GENERATE_LOOP_ERROR}{type(exc).__name__}: {exc}"))
         finally:
+            for task in tasks:  # this handler itself cancelled (the server stopping): its tasks go too
+                task.cancel()
             if self.session_id is not None:  # a session or a place in line; idempotent
                 with contextlib.suppress(Exception):
                     await self.server.call(self.engine.close, self.session_id, self.end_reason)
@@ -243,14 +253,22 @@ class _Connection:
         return request
 
     async def _admit(self, request: StartRequest):
+        # The init's camera actions go in with the admission, so they apply to the very first chunk.
+        first = tuple(self.inbound.take(self.engine.config.max_queued_events))
+        future = asyncio.ensure_future(self.server.call(self.engine.admit, request, first))
         try:
-            # The init's camera actions go in with the admission, so they apply to the very first chunk.
-            first = tuple(self.inbound.take(self.engine.config.max_queued_events))
-            return await self.server.call(self.engine.admit, request, first)
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:  # the admission goes on in its thread: what it opens, nobody reads
+            future.add_done_callback(self._close_orphan)
+            raise
         except AdmissionRefused as exc:
             log.info("refused a session: %s", exc)
             await self._send_error(ErrorMessage(CAPACITY_EXHAUSTED, str(exc)))
             raise _Ended(CLOSE_POLICY, CAPACITY_EXHAUSTED) from None
+
+    def _close_orphan(self, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.server.close_later(future.result().session_id, "the client left while it was admitted")
 
     # -- receiving
 
