@@ -13,7 +13,8 @@ by bytes (upstream refuses a second). A connection:
   with a `detail`, and the server waits for another). `first_frame` is image bytes or a base64
   `data:image/...` URL; this server fetches no URLs, so an http(s) URL is refused, as is no picture.
   The world is generated at the model's own size whatever `size` asks; every frame batch carries the
-  true width and height. guidance_scale, num_inference_steps, fps and the causal sink/window knobs are
+  true width and height (`realtime_preview_max_width` narrows webp/jpeg frames; raw ones are never
+  scaled). guidance_scale, num_inference_steps, fps and the causal sink/window knobs are
   the model's own and are ignored. `condition_inputs.camera_actions` acts as a first event (queued with
   the admission, so chunk 0 applies it).
 - is admitted by the engine, or waits in its line (nothing is sent meanwhile: upstream has no waiting
