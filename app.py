@@ -18,6 +18,9 @@ endpoints, usable from gradio_client (see examples/client.py):
     /generate(image, prompt, seed, script, script_file, poses, intrinsics, example_files) -> (MP4, message)
                                          example_files: an official example folder's files, dropped together
 
+The same port also serves SGLang's realtime video protocol over the same engine (lingbot_core/serve.py):
+WebSocket /v1/realtime_video/generate and GET /v1/models, so SGLang's clients and web UI can play this model.
+
 Environment: LINGBOT_MODEL (same as --model), LINGBOT_SGLANG_URLS (comma separated, same as --sglang-url),
 GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (read by Gradio),
 LINGBOT_TEST_PRESET=tiny (tests only: a 32x64 model with random weights, for fast CPU checks).
@@ -35,7 +38,6 @@ import os
 import random
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import uuid
@@ -47,19 +49,21 @@ import torch
 from PIL import Image
 from gradio.utils import get_upload_folder
 
-from lingbot_core.config import EMBEDDED, tiny_config
+from lingbot_core.config import EMBEDDED
 from lingbot_core.events import EventError, read_events, read_events_file
 from lingbot_core.example_folder import ExampleFolderError, example_from_files
 from lingbot_core.generate import (RenderRequest, controls_from_events, describe_plan, plan_trajectory,
                                    trajectory_controls)
 from lingbot_core.model import camera
-from lingbot_core.pipeline import load_pipeline
 from lingbot_core.allocator import keep_freed_memory
 from lingbot_core.precision import AUTO, DTYPE_CHOICES
 from lingbot_core.remote.backend import RemoteEngine, RemoteRenderFailed, RenderRefused, create_remote_engine
 from lingbot_core.startup import StartupLog
 from lingbot_core.serving.engine import Engine, EngineConfig
+from lingbot_core.serving.factory import create_engine, default_device
 from lingbot_core.requests import parse_start
+from lingbot_core.remote.protocol import GENERATE_PATH
+from lingbot_core.serve import RealtimeServer
 from lingbot_core.serving.streaming import LiveService, StreamConfig, StreamError
 from lingbot_core.video import Recording
 from lingbot_core.workdir import WorkFolder
@@ -69,7 +73,6 @@ from lingbot_core.world.scene import HELD_OUT_SEEDS, seed_split
 
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE / "examples"
-TEST_PRESETS = {"tiny": tiny_config}
 OFFLINE_KEEP_S = 600.0  # an offline MP4 is removed from the work folder this long after it was made
 WORLD_PROMPT = "a procedural world"  # the embedded model's text conditioning is trivial; any prompt works
 PHOTO_EXAMPLES = (("forest.png", "a forest path in spring, sunlight"), ("village.png", "a quiet village street at dusk"))
@@ -142,52 +145,6 @@ PAGE_CSS = """
 #lingbot-keys button.lingbot-held { outline: 3px solid var(--color-accent); background: var(--color-accent-soft); }
 #lingbot-telemetry { font-family: var(--font-mono); font-size: var(--text-sm); min-height: 2.5em; }
 """
-
-
-# ---------------------------------------------------------------------------------------------
-# Building the engine
-
-
-def default_device() -> str:
-    """cuda when there is a GPU the engine's worker thread can keep; ZeroGPU lends one per call only."""
-    if os.environ.get("SPACES_ZERO_GPU"):
-        print("ZeroGPU hardware: the live engine needs a GPU held for the whole session, so it runs on the CPU; "
-              "choose dedicated GPU hardware for the real model", file=sys.stderr)
-        return "cpu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def create_engine(model: str | None = None, *, device: str | None = None, dtype: str = AUTO,
-                  engine_config: EngineConfig = EngineConfig(), compile: bool | None = None,
-                  preset: str | None = None, log: StartupLog | None = None) -> Engine:
-    """Load the model (embedded by default, never downloaded unless a Hub id is chosen) and start an engine.
-
-    model: "embedded", a local diffusers-format folder or a Hub repo id; default $LINGBOT_MODEL or embedded.
-    dtype: "auto" (lingbot_core/precision.py decides and says why), "bf16" or "fp32".
-    preset: tests only ("tiny", or $LINGBOT_TEST_PRESET): the embedded model at a test size. A test preset
-    runs in fp32 under "auto": it checks the machinery, and fp32 is fast on every CPU (bf16 is emulated,
-    ~20x slower, on CPUs without AMX or AVX512-BF16), so the tests take the same time everywhere.
-    compile: None compiles where it pays (CUDA; the embedded model on a CPU, built in the background while
-    the first blocks run eager; see load_pipeline), True/False force it.
-    log: prints each start-up stage with its time.
-    """
-    source = model or os.environ.get("LINGBOT_MODEL") or "embedded"
-    preset = preset or os.environ.get("LINGBOT_TEST_PRESET") or None
-    overrides = {}
-    if preset is not None:
-        if preset not in TEST_PRESETS or source != "embedded":
-            raise ValueError(f"test preset {preset!r}: the presets are {sorted(TEST_PRESETS)}, "
-                             "for the embedded model only")
-        overrides["preset_hint"] = TEST_PRESETS[preset]()
-        dtype = "fp32" if dtype == AUTO else dtype
-    if device is None:  # decided here, not at import: nothing touches CUDA before the app starts
-        device = os.environ.get("LINGBOT_DEVICE") or default_device()
-    # A Hub id is only ever used by choosing it, so choosing it allows the download.
-    allow_download = source != "embedded" and not Path(source).expanduser().exists()
-    # Loaded on the engine's model thread, so the thread that serves the page never runs a kernel.
-    return Engine(lambda: load_pipeline(source, dtype=dtype, device=device, compile=compile,
-                                        allow_download=allow_download, log=log, **overrides), engine_config,
-                  log=log)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,11 +227,17 @@ class DemoApp:
     service: LiveService
     workdir: WorkFolder | None = None  # removed on close when the app owns it
     renderer: GroundTruthRenderer | None = None  # the world render process (embedded model only)
+    realtime: RealtimeServer | None = None  # SGLang's realtime protocol over the same engine (lingbot_core/serve.py)
 
     def launch(self, **kwargs):
-        """demo.launch with the page's key capture script and styles."""
+        """demo.launch with the page's key capture script and styles, and the realtime protocol's routes on the
+        same port: Gradio hands app_kwargs to its FastAPI app, whose `routes` come before Gradio's own."""
         kwargs.setdefault("show_error", True)
         kwargs.setdefault("max_file_size", "50mb")
+        if self.realtime is not None:
+            app_kwargs = dict(kwargs.pop("app_kwargs", None) or {})
+            app_kwargs["routes"] = [*app_kwargs.get("routes", ()), *self.realtime.routes()]
+            kwargs["app_kwargs"] = app_kwargs
         return self.demo.launch(js=PAGE_JS, css=PAGE_CSS, **kwargs)
 
     def close(self) -> None:
@@ -282,6 +245,8 @@ class DemoApp:
         with contextlib.suppress(Exception):
             self.demo.close()  # with delete_cache set, Gradio also deletes every file it cached
         self.service.shutdown()
+        if self.realtime is not None:
+            self.realtime.close()
         if self.renderer is not None:
             self.renderer.close()
         if self.workdir is not None:
@@ -655,7 +620,7 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
         gr.api(act, api_name="act", concurrency_limit=1, concurrency_id="act")
         gr.api(stop, api_name="stop")
         demo.unload(close_tab)
-    return DemoApp(demo, service, owned, renderer)
+    return DemoApp(demo, service, owned, renderer, RealtimeServer(engine))
 
 
 def _header(config, engine: Engine) -> str:
@@ -750,7 +715,8 @@ def main(argv: list[str] | None = None) -> None:
                          offline_max_blocks=args.offline_max_blocks, workdir=workdir)
     try:
         _, url, _ = app.launch(server_name=args.host, server_port=args.port, prevent_thread_lock=True)
-        log.note(f"ready at {url} ({engine.capacity} worlds at once)")
+        log.note(f"ready at {url} ({engine.capacity} worlds at once); SGLang's realtime protocol at "
+                 f"{url.replace('http', 'ws', 1).rstrip('/')}{GENERATE_PATH}")
         app.demo.block_thread()
     finally:
         app.close()

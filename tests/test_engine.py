@@ -703,3 +703,22 @@ def test_realtime_example_saves_every_block_and_a_replay_that_reproduces_it(pipe
         np.testing.assert_array_equal(np.load(tmp_path / f"block_{block:05d}_frames.npy"),
                                       frames_to_uint8(output.frames))
     assert count_frames(tmp_path / "rollout.mp4")[0] == CONFIG.pixel_frames_for_blocks(len(events))
+
+
+def test_first_events_apply_to_the_first_block_seated_at_once_or_from_the_line(pipe, image, clock):
+    """admit(request, first_events): queued before the session can run (a protocol init's camera actions)."""
+    from lingbot_core.events import KeyStateEvent, ScriptEvent
+
+    engine = _engine(pipe, clock, max_sessions=1)
+    script = ScriptEvent(0, (frozenset("w"), frozenset(), frozenset("a")))
+    first = engine.admit(_request(image, PROMPT, 0), (script,))
+    waiting = engine.admit(_request(image, PROMPT, 1), (KeyStateEvent(0, frozenset("l")),))
+    assert first.admission is Admission.ADMITTED and waiting.admission is Admission.WAITING
+    assert engine.run_once() == first.session_id
+    assert _take(engine, first.session_id).replay_entry == {"frames": [["w"], [], ["a"]], "event_ids": [0]}
+    engine.close(first.session_id)
+    assert engine.run_once() == waiting.session_id  # seated, then its first block
+    assert isinstance(engine.next_message(waiting.session_id, 0), Waiting)
+    assert _take(engine, waiting.session_id).replay_entry == {"frames": [["l"]] * BLOCK, "event_ids": [0]}
+    engine.close(waiting.session_id)
+    assert engine.pages.num_in_use == 0

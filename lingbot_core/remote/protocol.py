@@ -215,7 +215,11 @@ class ChunkStats:
 
 @dataclass(frozen=True)
 class ErrorMessage:
+    """`content`: the reference's text, which clients match on. `detail`: our server's plain-words reason
+    (an extra key on the wire, left off when None; the reference's clients ignore it)."""
+
     content: str
+    detail: str | None = None
 
 
 ServerMessage = Union[FrameBatch, ChunkStats, ErrorMessage]
@@ -530,7 +534,7 @@ def chunk_stats_wire(stats: ChunkStats) -> dict:
 
 
 def error_message(exc: ProtocolError) -> ErrorMessage:
-    return ErrorMessage(exc.content)
+    return ErrorMessage(exc.content, exc.detail)
 
 
 def encode_server_message(message: ServerMessage) -> list[bytes]:
@@ -545,7 +549,10 @@ def encode_server_message(message: ServerMessage) -> list[bytes]:
     if isinstance(message, ChunkStats):
         return [pack(chunk_stats_wire(message))]
     if isinstance(message, ErrorMessage):
-        return [pack({"type": "error", "content": message.content})]
+        wire = {"type": "error", "content": message.content}
+        if message.detail is not None:
+            wire["detail"] = message.detail
+        return [pack(wire)]
     raise TypeError(f"not a server message: {type(message).__name__}")
 
 
@@ -656,5 +663,7 @@ class ServerMessageReader:
         if kind == "chunk_stats":
             return parse_chunk_stats(raw)
         if kind == "error":
-            return ErrorMessage(_str(raw.get("content"), "error content", SERVER_ERROR))
+            detail = raw.get("detail")
+            return ErrorMessage(_str(raw.get("content"), "error content", SERVER_ERROR),
+                                detail if isinstance(detail, str) else None)
         raise ProtocolError(SERVER_ERROR, f"unknown server message type {quote(kind)}")

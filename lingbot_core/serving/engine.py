@@ -196,8 +196,9 @@ class _Queued:
     """A place in line: the parsed request the engine will open a session from, and the outbox its consumer
     reads meanwhile (under the id the session will have)."""
 
-    def __init__(self, request: StartRequest, now: float) -> None:
+    def __init__(self, request: StartRequest, now: float, first_events: tuple[Event, ...] = ()) -> None:
         self.request = request
+        self.first_events = first_events
         self.outbox: deque[Message] = deque()
         self.position = 0  # the last position posted (0: none yet)
         self.seen = now  # last time its consumer read (or waited on) the outbox: the line's TTL
@@ -314,32 +315,35 @@ class Engine:
         return plan.fits(len(sessions) + 1) and self.pages.can_allocate(
             still_to_fill + plan.pages_per_session + max(plan.block_pages - running_block, 0))
 
-    def admit(self, request: StartRequest) -> Ticket:
+    def admit(self, request: StartRequest, first_events: tuple[Event, ...] = ()) -> Ticket:
         """Open a session if it fits and nobody is ahead in line; otherwise a place in line, whose outbox
         (`next_message` with the ticket's session_id) tells its position and then the new world.
 
         `request` was parsed at the boundary (lingbot_core/requests.py: picture fitted, prompt cleaned), on
-        the caller's thread, never the model thread. Raises AdmissionRefused when the line is full.
+        the caller's thread, never the model thread. `first_events` are queued before the session can run,
+        so they apply to its first block (a protocol init's camera actions). Raises AdmissionRefused when
+        the line is full.
         """
         with self._lock:
             if self._stopped:
                 raise AdmissionRefused("the server is shutting down")
             self._expire_tickets_locked()
             if self._waiting or not self._room_locked():
-                return self._join_line_locked(request)
-        return self._on_model_thread(lambda: self._open_session(request))
+                return self._join_line_locked(request, first_events)
+        return self._on_model_thread(lambda: self._open_session(request, first_events))
 
-    def _open_session(self, request: StartRequest) -> Ticket:
+    def _open_session(self, request: StartRequest, first_events: tuple[Event, ...]) -> Ticket:
         """The admission's model work; runs under the step lock, so no block or other admission interleaves."""
         with self._lock:
             # Another admission may have taken the room while this one waited for the model thread.
             if self._waiting or not self._room_locked():
-                return self._join_line_locked(request)
+                return self._join_line_locked(request, first_events)
         session_id = uuid.uuid4().hex
-        self._seat(session_id, request, None)
+        self._seat(session_id, request, None, first_events)
         return Ticket(Admission.ADMITTED, session_id=session_id)
 
-    def _seat(self, session_id: str, request: StartRequest, queued: _Queued | None) -> None:
+    def _seat(self, session_id: str, request: StartRequest, queued: _Queued | None,
+              first_events: tuple[Event, ...] = ()) -> None:
         """Open a session (model work: step lock held, table lock not), evicting the LRU idle one if the
         room is only there once it goes. A place in line stays in the line (its consumer reads it there)
         until its session is in the table, so the id always names one or the other."""
@@ -348,6 +352,12 @@ class Engine:
                 self._evict_lru_idle_locked()
         session = Session(session_id, self.pipeline, self.pool, self.pages, request, self.config.max_queued_events,
                           self.clock, self.footprint, self.conditions)
+        try:  # not yet in the table: nothing runs it before they are queued
+            for event in (queued.first_events if queued is not None else first_events):
+                session.post_event(event)
+        except BaseException:
+            session.close()  # its pages go back
+            raise
         with self._lock:
             if queued is not None:
                 if self._waiting.get(session_id) is not queued:  # it left the line meanwhile
@@ -385,12 +395,12 @@ class Engine:
     def _room_locked(self) -> bool:
         return self._fits_locked() or self._lru_idle_locked() is not None
 
-    def _join_line_locked(self, request: StartRequest) -> Ticket:
+    def _join_line_locked(self, request: StartRequest, first_events: tuple[Event, ...] = ()) -> Ticket:
         if len(self._waiting) >= self.config.max_waiting:
             raise AdmissionRefused(f"the server is full ({len(self._sessions)} worlds running, "
                                    f"{len(self._waiting)} waiting); try again in a minute")
         session_id = uuid.uuid4().hex
-        self._waiting[session_id] = _Queued(request, self.clock())
+        self._waiting[session_id] = _Queued(request, self.clock(), first_events)
         self._post_positions_locked()
         return Ticket(Admission.WAITING, session_id=session_id, position=len(self._waiting))
 

@@ -1,0 +1,508 @@
+"""SGLang's realtime video protocol served by our engine: `GET /v1/models` and `/v1/realtime_video/generate`.
+
+    python -m lingbot_core.serve --port 30000 [--host H] [--model embedded] [--dtype auto] [--max-sessions N]
+                                 [--idle-ttl S]
+
+serves only the protocol (uvicorn), headless; `python app.py` mounts the same routes beside its page
+(`RealtimeServer.routes()`), over the page's engine. The wire format is lingbot_core/remote/protocol.py,
+written from ../shared/reference/sglang-realtime-protocol.md; this module only connects it to the engine.
+
+One WebSocket per session, as upstream, but several sessions per server under the engine's admission
+by bytes (upstream refuses a second). A connection:
+- waits for a valid `init` (an invalid one, or anything else, gets `error "invalid generate request"`
+  with a `detail`, and the server waits for another). `first_frame` is image bytes or a base64
+  `data:image/...` URL; this server fetches no URLs, so an http(s) URL is refused, as is no picture.
+  The world is generated at the model's own size whatever `size` asks; every frame batch carries the
+  true width and height (`realtime_preview_max_width` narrows webp/jpeg frames; raw ones are never
+  scaled). guidance_scale, num_inference_steps, fps and the causal sink/window knobs are
+  the model's own and are ignored. `condition_inputs.camera_actions` acts as a first event (queued with
+  the admission, so chunk 0 applies it).
+- is admitted by the engine, or waits in its line (nothing is sent meanwhile: upstream has no waiting
+  message); a full line gets `error "CAPACITY_EXHAUSTED"` (the fork's reason) and close 1008.
+- then runs two tasks: one receives events (remote/inbound.py turns them into engine events under ids
+  of ours, fed to the engine as its queue has room; an invalid one gets `error "invalid event"` and the
+  connection stays), one sends each block as frame batches (raw, webp or jpeg) and its `chunk_stats`;
+  a chunk's `event_id` is the client's id of the last event its block applied (None: it applied none).
+  When either ends, both end, and the engine session is closed (disconnect, shutdown, `max_chunks`:
+  close 1000 "generation complete"). A failed block sends `error "error during generate loop: ..."`
+  and the session goes on; the engine closing the session sends `error "session closed: <why>"` and
+  closes 1000 (idle TTL, eviction), 1001 (the server shuts down) or 1011 (the world could not start).
+Every engine call that may block runs on a thread pool, never on the event loop.
+
+chunk_stats: scheduler_forward_ms is the engine's block time; request_prepare_ms the init's picture
+parse and admission (chunk 0) or the feeding of input since the last chunk; pace_wait_ms the wait that
+`realtime_output_pacing` adds so chunks are not sent faster than they play; raw_payload_build_ms the
+cutting (and image encoding) into batches; header_write_ms / raw_write_ms the writes of the batch maps /
+of the bare payloads that follow a `frame_batch_header`; ws_write_ms all frame batch writes;
+chunk_total_ms the block time plus everything from the block's arrival to its last write, plus prepare.
+raw_bytes: the frame payload bytes; ws_payload_bytes: the WebSocket message bytes of the frame batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import binascii
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import BaseRoute, Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from .events import EventError
+from .image import MAX_IMAGE_BYTES
+from .remote.batching import build_frame_batches
+from .remote.inbound import InboundEvents
+from .remote.protocol import (CLOSE_NORMAL, CLOSE_POLICY, GENERATE_LOOP_ERROR, GENERATE_PATH, GENERATION_COMPLETE,
+                              INVALID_EVENT, INVALID_REQUEST, MODELS_PATH, ChunkStats, ErrorMessage, EventMessage,
+                              FrameBatch, InitRequest, ProtocolError, decode_event, decode_init,
+                              encode_server_message, error_message)
+from .requests import StartRequest, parse_start
+from .serving.engine import (Admission, AdmissionRefused, Block, Closed, Engine, Failed, UnknownSession,
+                             Waiting)
+
+log = logging.getLogger(__name__)
+
+CAPACITY_EXHAUSTED = "CAPACITY_EXHAUSTED"  # the fork's refusal reason, sent when the engine's line is full
+CLOSE_GOING_AWAY = 1001  # the server shuts down
+CLOSE_INTERNAL = 1011  # a fault of ours
+SHUTDOWN_REASON = "server shutting down"  # the engine's close reasons (Engine.shutdown, its LRU eviction)
+EVICTED_REASON = "evicted after idling"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    poll_s: float = 0.5  # how long one engine wait lasts on its thread before the connection looks again
+    workers: int = 64  # threads for engine calls and frame encoding, shared by every connection
+
+
+class RealtimeServer:
+    """The protocol over one engine; `routes()` are Starlette routes for any Starlette or FastAPI app."""
+
+    def __init__(self, engine: Engine, config: ServeConfig = ServeConfig(), model_id: str | None = None) -> None:
+        self.engine = engine
+        self.config = config
+        model = engine.pipeline.config
+        # The id is the loaded model's config name (e.g. "tiny", the embedded model's name, or a checkpoint
+        # folder's name): stable for one model, and what the page's header shows.
+        self.model_id = model_id or model.name
+        self.created = int(time.time())
+        self._executor = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="lingbot-serve")
+
+    def routes(self) -> list[BaseRoute]:
+        return [Route(MODELS_PATH, self.models, methods=["GET"]), WebSocketRoute(GENERATE_PATH, self.generate)]
+
+    async def models(self, request: Request) -> JSONResponse:
+        model = self.engine.pipeline.config
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_id, "object": "model", "created": self.created, "owned_by": "lingbot-world-demo",
+            "root": self.model_id, "width": model.width, "height": model.height, "fps": model.fps}]})
+
+    async def generate(self, websocket: WebSocket) -> None:
+        await _Connection(self, websocket).run()
+
+    async def call(self, fn: Callable[..., Any], *args) -> Any:
+        """A blocking call (engine locks, model-thread jobs, encoding) on the pool, off the event loop."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        except RuntimeError as exc:
+            if "shutdown" not in str(exc):
+                raise
+            return fn(*args)  # the pool is closed (the server is going down): a last cleanup runs here
+
+    def close_later(self, session_id: str, reason: str) -> None:
+        """Close a session or a place in line without waiting (it may wait for the model thread)."""
+        try:
+            self._executor.submit(self.engine.close, session_id, reason)
+        except RuntimeError:  # the pool is closed: close it here
+            self.engine.close(session_id, reason)
+
+    def close(self) -> None:
+        """Stop taking work on the pool; connections still open end when the engine or the socket does."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class _Ended(Exception):
+    """The connection's session is over; how to close the socket."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class _Connection:
+    """One WebSocket: its init, its engine session and the two tasks that serve it."""
+
+    def __init__(self, server: RealtimeServer, websocket: WebSocket) -> None:
+        self.server = server
+        self.engine = server.engine
+        self.ws = websocket
+        model = self.engine.pipeline.config
+        self.model = model
+        self.inbound = InboundEvents(model.transformer.num_frames_per_block, model.text.max_prompt_chars,
+                                     self.engine.config.max_queued_events)
+        self.session_id: str | None = None
+        self.seated = False  # the engine runs the session (not only a place in line)
+        self.send_lock = asyncio.Lock()  # a frame_batch_header and its payload never have a message between
+        self.feed_lock = asyncio.Lock()  # engine events are posted in order
+        self.feed_ms = 0.0  # time spent feeding input since the last chunk (its request_prepare_ms)
+        self.end_reason = "the connection ended"  # why the engine session is closed at the end
+
+    # -- the connection's life
+
+    async def run(self) -> None:
+        await self.ws.accept()
+        code, reason = CLOSE_NORMAL, ""
+        tasks: list[asyncio.Task] = []
+        try:
+            started = await self._handshake()
+            if started is None:
+                return
+            init, request, prepare_ms = started
+            ticket = await self._admit(request)
+            self.session_id = ticket.session_id
+            if ticket.admission is Admission.WAITING:
+                log.info("session %s waits in the engine's line at position %s (nothing is sent while it waits)",
+                         ticket.session_id, ticket.position)
+            tasks = [asyncio.create_task(self._receive()),
+                     asyncio.create_task(self._stream(init, ticket.admission is Admission.WAITING, prepare_ms))]
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for task in done:
+                task.result()  # an _Ended or a fault surfaces here
+        except _Ended as ended:
+            code, reason = ended.code, ended.reason
+        except WebSocketDisconnect:  # a write found the client gone
+            self.end_reason = "the client disconnected"
+        except Exception as exc:  # a fault of ours: the client hears of it, the server goes on
+            log.exception("realtime connection failed")
+            code, reason = CLOSE_INTERNAL, "internal error"
+            self.end_reason = f"the server failed: {type(exc).__name__}"
+            with contextlib.suppress(Exception):
+                await self._send_error(ErrorMessage(f"{GENERATE_LOOP_ERROR}{type(exc).__name__}: {exc}"))
+        finally:
+            for task in tasks:  # this handler itself cancelled (the server stopping): its tasks go too
+                task.cancel()
+            if self.session_id is not None:  # a session or a place in line; idempotent
+                with contextlib.suppress(Exception):
+                    await self.server.call(self.engine.close, self.session_id, self.end_reason)
+            if self.ws.application_state is WebSocketState.CONNECTED and \
+                    self.ws.client_state is WebSocketState.CONNECTED:
+                with contextlib.suppress(Exception):  # a close reason is at most 123 bytes of UTF-8
+                    await self.ws.close(code, reason.encode()[:123].decode(errors="ignore"))
+
+    async def _handshake(self) -> tuple[InitRequest, StartRequest, float] | None:
+        """Until a valid init: (it, its StartRequest, parse ms); None if the client left first."""
+        while True:
+            data = await self._next_message()
+            if data is None:
+                return None
+            started = time.perf_counter()
+            try:
+                init = decode_init(data)
+                request = await self.server.call(self._start_request, init)
+            except ProtocolError as exc:
+                log.info("invalid init: %s", exc.detail)
+                await self._send_error(error_message(exc))
+                continue
+            return init, request, 1000.0 * (time.perf_counter() - started)
+
+    def _start_request(self, init: InitRequest) -> StartRequest:
+        """The init's picture decoded and fitted, prompt and seed checked (a thread: decoding is costly)."""
+        picture = init.first_frame
+        if picture is None:
+            raise ProtocolError(INVALID_REQUEST, "init needs a first_frame: image bytes or a data:image/ URL")
+        if isinstance(picture, str):
+            if not picture.startswith("data:"):
+                raise ProtocolError(INVALID_REQUEST, "first_frame is an http(s) URL; this server fetches no URLs: "
+                                                     "send the image bytes or a data:image/...;base64 URL")
+            header, _, body = picture.partition(",")
+            if not header.endswith(";base64"):
+                raise ProtocolError(INVALID_REQUEST, "a first_frame data URL must be base64 "
+                                                     "(data:image/...;base64,...)")
+            if len(body) > 4 * MAX_IMAGE_BYTES // 3 + 4:
+                raise ProtocolError(INVALID_REQUEST, f"first_frame holds more than {MAX_IMAGE_BYTES // 2**20} MiB")
+            try:
+                picture = base64.b64decode(body, validate=True)
+            except (binascii.Error, ValueError):
+                raise ProtocolError(INVALID_REQUEST, "first_frame's data URL is not valid base64") from None
+        try:
+            request = parse_start(picture, init.prompt, init.seed, self.model)
+        except ValueError as exc:  # ImageError, PromptError, RequestError: their messages name the problem
+            raise ProtocolError(INVALID_REQUEST, str(exc)) from None
+        camera = (init.condition_inputs or {}).get("camera_actions")
+        if camera is not None:  # the init's camera actions act as its first event (no event_id to echo)
+            try:
+                self.inbound.add(EventMessage("camera_actions", camera, None))
+            except ProtocolError as exc:
+                raise ProtocolError(INVALID_REQUEST, f"condition_inputs.camera_actions: {exc.detail}") from None
+        return request
+
+    async def _admit(self, request: StartRequest):
+        # The init's camera actions go in with the admission, so they apply to the very first chunk.
+        first = tuple(self.inbound.take(self.engine.config.max_queued_events))
+        future = asyncio.ensure_future(self.server.call(self.engine.admit, request, first))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:  # the admission goes on in its thread: what it opens, nobody reads
+            future.add_done_callback(self._close_orphan)
+            raise
+        except AdmissionRefused as exc:
+            log.info("refused a session: %s", exc)
+            await self._send_error(ErrorMessage(CAPACITY_EXHAUSTED, str(exc)))
+            raise _Ended(CLOSE_POLICY, CAPACITY_EXHAUSTED) from None
+
+    def _close_orphan(self, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.server.close_later(future.result().session_id, "the client left while it was admitted")
+
+    # -- receiving
+
+    async def _next_message(self) -> bytes | str | None:
+        """The next client message (binary or text, judged by the decoder); None once the client has left."""
+        message = await self.ws.receive()
+        if message["type"] == "websocket.disconnect":
+            self.end_reason = "the client disconnected"
+            return None
+        return message["bytes"] if message.get("bytes") is not None else message.get("text")
+
+    async def _receive(self) -> None:
+        """Events until the client leaves; an invalid one is answered and skipped."""
+        while True:
+            data = await self._next_message()
+            if data is None:
+                return
+            try:
+                self.inbound.add(decode_event(data))
+            except ProtocolError as exc:
+                log.info("session %s: invalid event: %s", self.session_id, exc.detail)
+                await self._send_error(error_message(exc))
+                continue
+            await self._feed()
+
+    async def _feed(self) -> None:
+        """Post queued engine events as far as the engine's event queue has room (the rest wait in ours)."""
+        async with self.feed_lock:
+            if not self.seated or not self.inbound.pending:
+                return
+            started = time.perf_counter()
+            try:
+                status = await self.server.call(self.engine.session_status, self.session_id)
+            except UnknownSession:
+                return  # closed: the sender hears why from the engine
+            room = self.engine.config.max_queued_events - status.get("queued_events", 0)
+            events = self.inbound.take(room)
+            refused = await self.server.call(self._post, events)
+            self.feed_ms += 1000.0 * (time.perf_counter() - started)
+            for text in refused:
+                await self._send_error(ErrorMessage(INVALID_EVENT, text))
+
+    def _post(self, events) -> list[str]:
+        refused = []
+        for event in events:
+            try:
+                self.engine.post_event(self.session_id, event)
+            except UnknownSession:
+                break
+            except EventError as exc:  # checked before queueing, so only a session that changed under us
+                log.warning("session %s: engine refused event %d: %s", self.session_id, event.event_id, exc)
+                refused.append(str(exc))
+        return refused
+
+    # -- sending
+
+    async def _send(self, messages: list[bytes]) -> list[float]:
+        """Send messages back to back (no other message between them); each one's write time in ms."""
+        times = []
+        async with self.send_lock:
+            for data in messages:
+                started = time.perf_counter()
+                await self.ws.send_bytes(data)
+                times.append(1000.0 * (time.perf_counter() - started))
+        return times
+
+    async def _send_error(self, message: ErrorMessage) -> None:
+        (data,) = encode_server_message(message)
+        await self._send([data])
+
+    async def _wait_for_seat(self) -> None:
+        while True:
+            message = await self.server.call(self.engine.next_message, self.session_id, self.server.config.poll_s)
+            if isinstance(message, Waiting):
+                log.info("session %s is at position %d in line", self.session_id, message.position)
+            elif isinstance(message, Closed):
+                await self._closed(message)
+            elif message is not None:  # NewWorld: seated
+                return
+
+    async def _closed(self, message: Closed) -> None:
+        """The engine ended the session: its policy (idle TTL, eviction: 1000), shutdown (1001), or a fault
+        (e.g. a world that could not start: 1011)."""
+        self.end_reason = message.reason
+        if message.reason == SHUTDOWN_REASON:
+            code = CLOSE_GOING_AWAY
+        elif message.idle or message.reason.startswith(EVICTED_REASON):
+            code = CLOSE_NORMAL
+        else:
+            code = CLOSE_INTERNAL
+        await self._send_error(ErrorMessage(f"session closed: {message.reason}"))
+        raise _Ended(code, message.reason)
+
+    async def _stream(self, init: InitRequest, waiting: bool, prepare_ms: float) -> None:
+        """Each block as frame batches and chunk_stats, until max_chunks or the engine ends the session."""
+        if waiting:
+            await self._wait_for_seat()
+        self.seated = True
+        await self._feed()
+        request_id = f"{self.session_id}_{uuid.uuid4().hex}"
+        chunk_index = 0
+        play_until: float | None = None  # pacing: when the chunks sent so far finish playing
+        fps = self.model.fps
+        while True:
+            try:
+                message = await self.server.call(self.engine.next_message, self.session_id,
+                                                 self.server.config.poll_s)
+            except UnknownSession:  # closed so long ago that the engine forgot why
+                await self._closed(Closed("the session was closed"))
+            if isinstance(message, Closed):
+                await self._closed(message)
+            if isinstance(message, Failed):
+                await self._send_error(ErrorMessage(GENERATE_LOOP_ERROR + message.text))
+                continue
+            if not isinstance(message, Block):  # None (no block yet), NewWorld
+                continue
+            arrived = time.perf_counter()
+            if chunk_index > 0:
+                prepare_ms, self.feed_ms = self.feed_ms, 0.0
+            event_id = self.inbound.chunk_done(message.event_ids)
+            pace_wait_ms = 0.0
+            if init.realtime_output_pacing and play_until is not None:
+                wait = play_until - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                    pace_wait_ms = 1000.0 * wait
+            built = time.perf_counter()
+            batches, encoded = await self.server.call(self._build, message, init, request_id, chunk_index, event_id)
+            build_ms = 1000.0 * (time.perf_counter() - built)
+            header_ms = raw_ms = 0.0
+            for messages in encoded:  # one batch: its map, or a frame_batch_header and its payload
+                times = await self._send(messages)
+                header_ms += times[0]
+                raw_ms += sum(times[1:])
+            frames = len(message.pixels)
+            now = time.monotonic()
+            play_until = max(play_until or now, now) + frames / fps
+            stats = ChunkStats(
+                session_id=self.session_id, request_id=request_id, chunk_index=chunk_index, event_id=event_id,
+                request_prepare_ms=prepare_ms, scheduler_forward_ms=message.block_ms, pace_wait_ms=pace_wait_ms,
+                header_write_ms=header_ms, raw_payload_build_ms=build_ms, raw_write_ms=raw_ms,
+                ws_write_ms=header_ms + raw_ms,
+                chunk_total_ms=prepare_ms + message.block_ms + 1000.0 * (time.perf_counter() - arrived),
+                num_batches=len(batches), num_frames=frames, raw_bytes=sum(len(b.payload) for b in batches),
+                ws_payload_bytes=sum(len(data) for messages in encoded for data in messages),
+                content_type=batches[0].content_type)
+            await self._send(encode_server_message(stats))
+            chunk_index += 1
+            if init.max_chunks is not None and chunk_index >= init.max_chunks:
+                self.end_reason = GENERATION_COMPLETE
+                await self.server.call(self.engine.close, self.session_id, GENERATION_COMPLETE)
+                raise _Ended(CLOSE_NORMAL, GENERATION_COMPLETE)
+            await self._feed()
+
+    @staticmethod
+    def _build(block: Block, init: InitRequest, request_id: str, chunk_index: int,
+               event_id: int | None) -> tuple[list[FrameBatch], list[list[bytes]]]:
+        batches = build_frame_batches(block.pixels, request_id=request_id, chunk_index=chunk_index, event_id=event_id,
+                                      output_format=init.realtime_output_format,
+                                      preview_max_width=init.realtime_preview_max_width, quality=init.output_quality)
+        return batches, [encode_server_message(batch) for batch in batches]
+
+
+# ---------------------------------------------------------------------------------------------
+# Headless: python -m lingbot_core.serve
+
+
+def create_app(server: RealtimeServer):
+    """A Starlette app serving only the protocol."""
+    from starlette.applications import Starlette
+
+    return Starlette(routes=server.routes())
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from .precision import AUTO, DTYPE_CHOICES
+    from .serving.engine import EngineConfig
+    from .serving.factory import create_engine, default_device
+    from .startup import StartupLog
+
+    parser = argparse.ArgumentParser(description="SGLang's realtime video protocol over the local engine, headless")
+    parser.add_argument("--port", type=int, default=30000, help="0: a free port (the ready line names it)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--model", help="embedded (default), a local diffusers folder, or a Hub id; default "
+                                        "$LINGBOT_MODEL")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=AUTO)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile the blocks (default: where it pays, as app.py)")
+    parser.add_argument("--max-sessions", type=int, help="cap on concurrent sessions on top of the memory budget "
+                                                         "(default: 2 on a CPU, else none)")
+    parser.add_argument("--memory-budget-gib", type=float, help="memory for sessions (default: half of what is free)")
+    parser.add_argument("--idle-ttl", type=float, default=120.0, help="seconds without input before a session closes")
+    args = parser.parse_args(argv)
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    log_startup = StartupLog()
+    device = args.device or os.environ.get("LINGBOT_DEVICE") or default_device()
+    budget = int(args.memory_budget_gib * 2**30) if args.memory_budget_gib else None
+    max_sessions = args.max_sessions or (2 if device == "cpu" else None)  # as app.py: compute runs out first
+    engine = create_engine(args.model, device=device, dtype=args.dtype, compile=args.compile, log=log_startup,
+                           engine_config=EngineConfig(memory_budget_bytes=budget, idle_ttl_s=args.idle_ttl,
+                                                      max_sessions=max_sessions))
+    server = RealtimeServer(engine)
+    # No per-message deflate: frames do not shrink and a raw chunk is megabytes. An init carries the picture,
+    # so incoming messages may be as large as the largest picture accepted.
+    config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level="warning",
+                            ws_per_message_deflate=False, ws_max_size=MAX_IMAGE_BYTES + 2**20)
+    uvicorn_server = uvicorn.Server(config)
+
+    def announce() -> None:
+        while not uvicorn_server.started:
+            if uvicorn_server.should_exit:
+                return
+            time.sleep(0.05)
+        host, port = uvicorn_server.servers[0].sockets[0].getsockname()[:2]
+        print(f"ready at ws://{host}:{port}{GENERATE_PATH} (model {server.model_id}, "
+              f"{engine.capacity} sessions at once)", flush=True)
+
+    threading.Thread(target=announce, name="lingbot-serve-ready", daemon=True).start()
+    # uvicorn stops gracefully on SIGINT or SIGTERM, then raises the signal again; as KeyboardInterrupt
+    # (SIGTERM too, as app.py does) it ends here, after the shutdown, and the process exits 0.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        uvicorn_server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
