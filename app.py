@@ -620,7 +620,9 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
         gr.api(act, api_name="act", concurrency_limit=1, concurrency_id="act")
         gr.api(stop, api_name="stop")
         demo.unload(close_tab)
-    return DemoApp(demo, service, owned, renderer, RealtimeServer(engine))
+    # The protocol is served over a local engine only: with remote servers, their own endpoints serve it.
+    realtime = RealtimeServer(engine) if isinstance(engine, Engine) else None
+    return DemoApp(demo, service, owned, renderer, realtime)
 
 
 def _header(config, engine: Engine) -> str:
@@ -715,8 +717,9 @@ def main(argv: list[str] | None = None) -> None:
                          offline_max_blocks=args.offline_max_blocks, workdir=workdir)
     try:
         _, url, _ = app.launch(server_name=args.host, server_port=args.port, prevent_thread_lock=True)
-        log.note(f"ready at {url} ({engine.capacity} worlds at once); SGLang's realtime protocol at "
-                 f"{url.replace('http', 'ws', 1).rstrip('/')}{GENERATE_PATH}")
+        protocol = (f"; SGLang's realtime protocol at {url.replace('http', 'ws', 1).rstrip('/')}{GENERATE_PATH}"
+                    if app.realtime is not None else "")
+        log.note(f"ready at {url} ({engine.capacity} worlds at once){protocol}")
         app.demo.block_thread()
     finally:
         app.close()

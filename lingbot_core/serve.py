@@ -1,7 +1,7 @@
 """SGLang's realtime video protocol served by our engine: `GET /v1/models` and `/v1/realtime_video/generate`.
 
     python -m lingbot_core.serve --port 30000 [--host H] [--model embedded] [--dtype auto] [--max-sessions N]
-                                 [--idle-ttl S]
+                                 [--idle-ttl S] [--max-waiting N]
 
 serves only the protocol (uvicorn), headless; `python app.py` mounts the same routes beside its page
 (`RealtimeServer.routes()`), over the page's engine. The wire format is lingbot_core/remote/protocol.py,
@@ -94,7 +94,7 @@ class RealtimeServer:
     def __init__(self, engine: Engine, config: ServeConfig = ServeConfig(), model_id: str | None = None) -> None:
         self.engine = engine
         self.config = config
-        model = engine.pipeline.config
+        model = engine.model_config
         # The id is the loaded model's config name (e.g. "tiny", the embedded model's name, or a checkpoint
         # folder's name): stable for one model, and what the page's header shows.
         self.model_id = model_id or model.name
@@ -105,7 +105,7 @@ class RealtimeServer:
         return [Route(MODELS_PATH, self.models, methods=["GET"]), WebSocketRoute(GENERATE_PATH, self.generate)]
 
     async def models(self, request: Request) -> JSONResponse:
-        model = self.engine.pipeline.config
+        model = self.engine.model_config
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_id, "object": "model", "created": self.created, "owned_by": "lingbot-world-demo",
             "root": self.model_id, "width": model.width, "height": model.height, "fps": model.fps}]})
@@ -150,7 +150,7 @@ class _Connection:
         self.server = server
         self.engine = server.engine
         self.ws = websocket
-        model = self.engine.pipeline.config
+        model = self.engine.model_config
         self.model = model
         self.inbound = InboundEvents(model.transformer.num_frames_per_block, model.text.max_prompt_chars,
                                      self.engine.config.max_queued_events)
@@ -465,6 +465,9 @@ def main(argv: list[str] | None = None) -> None:
                                                          "(default: 2 on a CPU, else none)")
     parser.add_argument("--memory-budget-gib", type=float, help="memory for sessions (default: half of what is free)")
     parser.add_argument("--idle-ttl", type=float, default=120.0, help="seconds without input before a session closes")
+    parser.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting,
+                        help="connections that wait in line for a seat; 0 refuses at once (1008 CAPACITY_EXHAUSTED), "
+                             "as upstream refuses a second session, so a pool of these servers sees busy seats")
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -474,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
     max_sessions = args.max_sessions or (2 if device == "cpu" else None)  # as app.py: compute runs out first
     engine = create_engine(args.model, device=device, dtype=args.dtype, compile=args.compile, log=log_startup,
                            engine_config=EngineConfig(memory_budget_bytes=budget, idle_ttl_s=args.idle_ttl,
-                                                      max_sessions=max_sessions))
+                                                      max_sessions=max_sessions, max_waiting=args.max_waiting))
     server = RealtimeServer(engine)
     # No per-message deflate: frames do not shrink and a raw chunk is megabytes. An init carries the picture,
     # so incoming messages may be as large as the largest picture accepted.

@@ -82,6 +82,9 @@ class RemoteConfig:
     backoff_s: float = 2.0  # a busy or down server is retried after this, doubling per failure in a row ...
     max_backoff_s: float = 60.0  # ... up to this
     max_restarts: int = 3  # server failures in a row one world survives (each restarts it on another seat)
+    # The server sends chunks no faster than they play (realtime_output_pacing): the live default, so a world
+    # runs at most one chunk ahead of its viewer. Off: as fast as the server makes them (benchmarks).
+    output_pacing: bool = True
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
@@ -275,7 +278,7 @@ class RemoteEngine:
                     self._lost_locked(session, server, ServerState.DOWN, f"could not be reached ({exc})")
             return
         try:
-            client.init(self._init_request(request, realtime_output_pacing=True))
+            client.init(self._init_request(request, realtime_output_pacing=self.remote.output_pacing))
         except RemoteClosed as exc:
             client.close()
             with self._lock:

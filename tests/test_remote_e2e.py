@@ -1,0 +1,228 @@
+"""Across real processes: the remote backend (lingbot_core/remote/backend.py) plays worlds that our own protocol
+server (`python -m lingbot_core.serve`, tiny preset) generates in other processes, over real WebSockets.
+
+Oracle: what a viewer receives remotely is the world the model makes. Each received world's replay (built by
+the backend from the chunks and the events it sent) is run offline in this process with the same seeded tiny
+model, one thread as the servers run, and its frames must equal the received frames exactly: keys, a prompt
+switch, a reset and a restart on another server all included. Waits are bounded so a bug fails instead of
+hanging; nothing asserts on the wall clock.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from lingbot_core.events import KeyStateEvent
+from lingbot_core.remote.backend import RemoteConfig, RemoteEngine, png_bytes
+from lingbot_core.remote.client import RealtimeClient, list_models
+from lingbot_core.remote.model_config import remote_model_config
+from lingbot_core.remote.protocol import InitRequest
+from lingbot_core.requests import parse_start
+from lingbot_core.rollout import BlockControl
+from lingbot_core.serving.engine import Admission, Block, EngineConfig, Failed, NewWorld, Waiting
+from lingbot_core.serving.factory import create_engine
+from lingbot_core.video import frames_to_uint8
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "a harbour at dawn"
+OTHER_PROMPT = "a harbour at night"
+WAIT_S = 60.0  # bounds only; the tiny model makes a block in ~0.1 s
+
+
+class ServerProcess:
+    """`python -m lingbot_core.serve` on a free port in its own process (tiny preset, fp32, one thread)."""
+
+    def __init__(self, *args: str) -> None:
+        env = dict(os.environ, LINGBOT_TEST_PRESET="tiny", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.process = subprocess.Popen([sys.executable, "-m", "lingbot_core.serve", "--port", "0", "--dtype", "fp32",
+                                         *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.url = None
+        for line in self.process.stdout:  # start-up lines, then the ready line
+            self.lines.append(line)
+            if line.startswith("ready at "):
+                self.url = line.split()[2].removesuffix("/v1/realtime_video/generate")
+                break
+        assert self.url is not None, "no ready line:\n" + "".join(self.lines)
+        threading.Thread(target=self._drain, daemon=True).start()
+        assert list_models(self.url) == ["tiny"]
+
+    def _drain(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=WAIT_S)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+@pytest.fixture
+def spawn():
+    made: list[ServerProcess] = []
+
+    def make(*args: str) -> ServerProcess:
+        made.append(ServerProcess(*args))
+        return made[-1]
+
+    yield make
+    for server in made:
+        server.stop()
+    assert all("Traceback" not in "".join(server.lines) for server in made), "a server logged a traceback"
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """The tiny model the servers run (same preset, seeded weights, fp32), in this process."""
+    engine = create_engine(preset="tiny", dtype="fp32", engine_config=EngineConfig(max_sessions=1))
+    yield engine.pipeline
+    engine.shutdown()
+
+
+def remote_engine(*servers: ServerProcess, **config) -> RemoteEngine:
+    return RemoteEngine([s.url for s in servers], remote_model_config("tiny"), EngineConfig(**config),
+                        RemoteConfig(receive_timeout_s=30, open_timeout_s=10, backoff_s=0.5))
+
+
+def take(engine, session_id, kind=Block, skip=(Waiting, NewWorld)):
+    """The next message of `kind`, skipping the kinds in `skip`; anything else fails the test."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        message = engine.next_message(session_id, timeout=0.5)
+        if message is None or (isinstance(message, skip) and not isinstance(message, kind)):
+            continue
+        assert isinstance(message, kind), f"expected {kind.__name__}, got {message!r}"
+        return message
+    raise AssertionError(f"no {kind.__name__} within {WAIT_S} s")
+
+
+def regenerate(pipeline, request, entries: list[dict]) -> np.ndarray:
+    """The world a replay describes, made offline on one thread (the servers' thread count): uint8 frames."""
+    controls = [BlockControl(actions=tuple(frozenset(f) for f in entry["frames"]), prompt=entry.get("prompt"))
+                for entry in entries]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        outputs = list(pipeline.rollout_request(request, controls))
+    finally:
+        torch.set_num_threads(threads)
+    return np.concatenate([frames_to_uint8(o.frames) for o in outputs])
+
+
+def received(blocks: list[Block]) -> np.ndarray:
+    return np.concatenate([b.pixels for b in blocks])
+
+
+def test_a_remote_world_with_keys_a_prompt_switch_and_a_reset_is_the_world_the_model_makes(spawn, oracle,
+                                                                                            start_image):
+    server = spawn()
+    engine = remote_engine(server)
+    request = parse_start(start_image, PROMPT, 7, oracle.config)
+    try:
+        ticket = engine.admit(request)
+        assert ticket.admission is Admission.ADMITTED
+        sid = ticket.session_id
+        world = take(engine, sid, NewWorld, skip=())
+        assert world.replay.seed == 7 and world.replay.prompt == PROMPT
+        blocks = [take(engine, sid)]
+        # One change at a time, each applied before the next is sent, so the key sets are unambiguous.
+        for event in (KeyStateEvent(1, frozenset("w")), KeyStateEvent(2, frozenset("j")),
+                      KeyStateEvent(3, frozenset("j"), prompt=OTHER_PROMPT), KeyStateEvent(4, frozenset())):
+            engine.post_event(sid, event)
+            while event.event_id not in blocks[-1].event_ids:
+                blocks.append(take(engine, sid))
+        blocks.append(take(engine, sid))
+        entries = [b.replay_entry for b in blocks]
+        assert [b.block_index for b in blocks] == list(range(len(blocks)))
+        assert any(["w"] in e["frames"] for e in entries) and any(["j"] in e["frames"] for e in entries)
+        assert sum("prompt" in e for e in entries) == 1
+        assert all(b.source["server"] == server.url for b in blocks)
+        np.testing.assert_array_equal(received(blocks), regenerate(oracle, request, entries))
+
+        # A reset: a new world on the same seat, exactly the new request's world.
+        other = parse_start(np.flipud(start_image).copy(), OTHER_PROMPT, 11, oracle.config)
+        engine.reset(sid, other)
+        take(engine, sid, NewWorld, skip=(Block,))
+        after = [take(engine, sid, skip=()) for _ in range(3)]
+        assert [b.block_index for b in after] == [0, 1, 2]
+        np.testing.assert_array_equal(received(after), regenerate(oracle, other, [b.replay_entry for b in after]))
+
+        # Stop: the seat is free again, and the server serves the next world.
+        engine.close(sid, "stopped by the user")
+        again = engine.admit(request)
+        assert again.admission is Admission.ADMITTED
+        first = take(engine, again.session_id)
+        np.testing.assert_array_equal(first.pixels, regenerate(oracle, request, [first.replay_entry]))
+    finally:
+        engine.shutdown()
+
+
+def test_a_busy_server_is_skipped_and_a_killed_one_restarts_the_world_on_the_freed_seat(spawn, oracle, start_image):
+    # Both servers hold one session and refuse a second at once (1008), as upstream does.
+    one_seat = ("--max-sessions", "1", "--max-waiting", "0")
+    busy, other = spawn(*one_seat), spawn(*one_seat)
+    squatter = RealtimeClient.connect(busy.url, receive_timeout=WAIT_S)
+    squatter.init(InitRequest(prompt=PROMPT, first_frame=png_bytes(Image.fromarray(start_image)), size="64x32"))
+    squatter.next_chunk()  # busy holds its one session now
+    engine = remote_engine(busy, other)
+    request = parse_start(start_image, PROMPT, 5, oracle.config)
+    try:
+        sid = engine.admit(request).session_id
+        block = take(engine, sid)
+        assert block.source["server"] == other.url  # the busy one refused; the world went to the other
+        assert engine.stats()["servers_busy"] == 1
+        take(engine, sid)
+
+        other.kill()  # mid-stream
+        failed = take(engine, sid, Failed, skip=(Block,))
+        assert other.url in failed.text
+        squatter.close()  # the busy server's seat frees
+        world = take(engine, sid, NewWorld, skip=(Waiting, Failed, Block))
+        assert world.replay.seed == 5
+        restarted = [take(engine, sid, skip=(Waiting, Failed)) for _ in range(2)]
+        assert [b.block_index for b in restarted] == [0, 1]
+        assert all(b.source["server"] == busy.url for b in restarted)
+        np.testing.assert_array_equal(received(restarted),
+                                      regenerate(oracle, request, [b.replay_entry for b in restarted]))
+    finally:
+        engine.shutdown()
+        squatter.close()
+
+
+def test_two_servers_seat_three_viewers_one_waits_until_a_seat_frees(spawn, oracle, start_image):
+    servers = spawn(), spawn()
+    engine = remote_engine(*servers)
+    requests = [parse_start(start_image, PROMPT, seed, oracle.config) for seed in (1, 2, 3)]
+    try:
+        tickets = [engine.admit(r) for r in requests]
+        assert [t.admission for t in tickets] == [Admission.ADMITTED, Admission.ADMITTED, Admission.WAITING]
+        assert tickets[2].position == 1
+        firsts = [take(engine, t.session_id) for t in tickets[:2]]
+        assert {b.source["server"] for b in firsts} == {s.url for s in servers}  # one world per server
+        engine.close(tickets[0].session_id, "stopped by the user")
+        world = take(engine, tickets[2].session_id, NewWorld, skip=(Waiting,))
+        assert world.replay.seed == 3
+        block = take(engine, tickets[2].session_id)
+        assert block.source["server"] == firsts[0].source["server"]  # the seat the first viewer gave back
+        np.testing.assert_array_equal(block.pixels, regenerate(oracle, requests[2], [block.replay_entry]))
+    finally:
+        engine.shutdown()
