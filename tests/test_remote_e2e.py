@@ -10,6 +10,7 @@ hanging; nothing asserts on the wall clock.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,13 +19,17 @@ import threading
 import time
 from pathlib import Path
 
+import av
+import httpx
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from app_driver import FOREST, VILLAGE, free_port, stream_outputs
+from gradio_client import Client, handle_file
 from lingbot_core.events import KeyStateEvent
-from lingbot_core.remote.backend import RemoteConfig, RemoteEngine, png_bytes
+from lingbot_core.remote.backend import RemoteConfig, RemoteEngine, create_remote_engine, png_bytes
 from lingbot_core.remote.client import RealtimeClient, list_models
 from lingbot_core.remote.model_config import remote_model_config
 from lingbot_core.remote.protocol import InitRequest
@@ -32,7 +37,8 @@ from lingbot_core.requests import parse_start
 from lingbot_core.rollout import BlockControl
 from lingbot_core.serving.engine import Admission, Block, EngineConfig, Failed, NewWorld, Waiting
 from lingbot_core.serving.factory import create_engine
-from lingbot_core.video import frames_to_uint8
+from lingbot_core.serving.streaming import StreamConfig
+from lingbot_core.video import frames_to_uint8, mp4_segment
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "a harbour at dawn"
@@ -226,3 +232,67 @@ def test_two_servers_seat_three_viewers_one_waits_until_a_seat_frees(spawn, orac
         np.testing.assert_array_equal(block.pixels, regenerate(oracle, requests[2], [block.replay_entry]))
     finally:
         engine.shutdown()
+
+
+def test_the_page_plays_a_world_made_by_a_protocol_server_in_another_process(spawn, oracle, tmp_path):
+    """app.py's Gradio API over --backend sglang's engine, pointed at our own server process: start, a key, a
+    reset, stop and the download, whose video is the downloaded replay regenerated offline and encoded as the
+    stream encodes it (x264 is deterministic, so exactly)."""
+    import app as lingbot_app
+
+    server = spawn()
+    engine = create_remote_engine([server.url], environ={"LINGBOT_TEST_PRESET": "tiny"},
+                                  remote=RemoteConfig(receive_timeout_s=30, open_timeout_s=10))
+    app = lingbot_app.build_demo(engine, stream_config=StreamConfig(), workdir=tmp_path / "work")
+    try:
+        _, url, _ = app.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True)
+        client = Client(url, verbose=False, download_files=False)
+        job = client.submit(handle_file(str(FOREST)), "a forest path", 7, api_name="/start")
+        session_id, segments, telemetry, reset_at, stopped = None, 0, [], None, False
+        for video, text, sid in stream_outputs(job):
+            telemetry.append(text)
+            session_id = sid or session_id
+            if not (isinstance(video, dict) and video.get("url")):
+                continue
+            segments += 1
+            if segments == 1:
+                assert client.predict(session_id, json.dumps({"event_id": 1, "keys": ["w"]}),
+                                      api_name="/act") == "queued 1 event(s)"
+            elif segments == 4 and reset_at is None:
+                assert client.predict(session_id, handle_file(str(VILLAGE)), "a village", 5,
+                                      api_name="/reset").startswith("reset")
+                reset_at = segments
+            elif reset_at is not None and segments == reset_at + 1:  # a key in the new world too
+                assert client.predict(session_id, json.dumps({"event_id": 2, "keys": ["j"]}),
+                                      api_name="/act") == "queued 1 event(s)"
+            elif reset_at is not None and not stopped and segments >= reset_at + 5:
+                assert client.predict(session_id, api_name="/stop").startswith("stopped after")
+                stopped = True
+        assert stopped and telemetry[-1] == "stopped: stopped by the user"
+        assert any(f"from {server.url}" in t for t in telemetry)
+
+        mp4_data, replay_data = client.predict(session_id, api_name="/download")  # the world after the reset
+        mp4 = tmp_path / "rollout.mp4"
+        mp4.write_bytes(httpx.get(mp4_data["url"], timeout=30).content)
+        replay = json.loads(httpx.get(replay_data["url"], timeout=30).text)
+        assert replay["seed"] == 5 and replay["prompt"] == "a village" and len(replay["blocks"]) >= 2
+        assert any(["j"] in b["frames"] and 2 in b["event_ids"] for b in replay["blocks"])
+        request = parse_start(VILLAGE.read_bytes(), "a village", 5, oracle.config)
+        frames = regenerate(oracle, request, replay["blocks"])
+        expected, start = [], 0
+        for index in range(len(replay["blocks"])):  # one H.264 segment per block, as the stream encodes them
+            count = oracle.config.pixel_frames_for_blocks(index + 1) - start
+            segment = tmp_path / f"regenerated-{index}.mp4"
+            segment.write_bytes(mp4_segment(frames[start:start + count], oracle.config.fps))
+            expected.append(decode_video(segment))
+            start += count
+        np.testing.assert_array_equal(decode_video(mp4), np.concatenate(expected))
+        client.close()
+    finally:
+        app.close()
+        engine.shutdown()
+
+
+def decode_video(path: Path) -> np.ndarray:
+    with av.open(str(path)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(container.streams.video[0])])
