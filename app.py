@@ -21,7 +21,8 @@ endpoints, usable from gradio_client (see examples/client.py):
 The same port also serves SGLang's realtime video protocol over the same engine (lingbot_core/serve.py):
 WebSocket /v1/realtime_video/generate and GET /v1/models, so SGLang's clients and web UI can play this model.
 
-Environment: LINGBOT_MODEL (same as --model), LINGBOT_SGLANG_URLS (comma separated, same as --sglang-url),
+Environment: LINGBOT_MODEL (same as --model), LINGBOT_BACKEND (same as --backend), LINGBOT_SGLANG_URLS (comma
+separated, same as --sglang-url),
 GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (read by Gradio),
 LINGBOT_TEST_PRESET=tiny (tests only: a 32x64 model with random weights, for fast CPU checks).
 """
@@ -653,11 +654,15 @@ def _header(config, engine: Engine) -> str:
 # Command line
 
 
+BACKENDS = ("local", "sglang")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=("local", "sglang"), default="local",
+    parser.add_argument("--backend", choices=BACKENDS, default=os.environ.get("LINGBOT_BACKEND") or "local",
                         help="local (default): run the model here; sglang: play every world on a pool of SGLang "
-                             "realtime servers (one world per server) and load no model")
+                             "realtime servers (one world per server) and load no model; default $LINGBOT_BACKEND "
+                             "(a Space sets it there, having no command line)")
     parser.add_argument("--sglang-url", action="append", default=[], metavar="URL",
                         help="a realtime server, ws://host:port (repeat for each; default $LINGBOT_SGLANG_URLS, "
                              "comma separated); with --backend sglang")
@@ -683,6 +688,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-per-address", type=int, default=StreamConfig.max_streams_per_address,
                         help="worlds or places in line one client IP address may hold at once")
     args = parser.parse_args(argv)
+    if args.backend not in BACKENDS:  # argparse checks a given value, not a default from the environment
+        parser.error(f"LINGBOT_BACKEND must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
 
     # Everything this process writes, Gradio's cache included (unless GRADIO_TEMP_DIR is set), goes in one
     # work folder that is removed on exit; folders left by dead processes are removed first. SIGTERM

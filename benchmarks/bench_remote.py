@@ -1,7 +1,7 @@
 """Viewers served through protocol servers in other processes vs by the in-process engine (prints figures).
 
-    python benchmarks/bench_remote.py [--viewers 1,2] [--servers 1,2] [--blocks 12] [--model embedded]
-                                      [--dtype fp32] [--threads N]
+    python benchmarks/bench_remote.py [--viewers 1,2] [--servers 1,2] [--blocks 12] [--rounds 3]
+                                      [--model embedded] [--dtype fp32] [--threads N]
 
 Every viewer runs the same consumer loop over an engine-like backend (admit, then drain `next_message` until
 --blocks blocks came), so the only difference between the two columns is the path a block takes:
@@ -11,7 +11,7 @@ Every viewer runs the same consumer loop over an engine-like backend (admit, the
   own process with its own model, one seat per server (upstream's rule); a block travels as raw frame batches
   over a local WebSocket and is reassembled here.
 
-Per case it prints the aggregate throughput (blocks per second from the first block any viewer received to the
+Per case (medians over --rounds rounds that alternate the order of the backends) it prints the aggregate throughput (blocks per second from the first block any viewer received to the
 last), the median interval between a viewer's consecutive blocks after --skip warm-up blocks (the per-block
 time a viewer sees), the median block time the model itself reported (Block.block_ms: the engine's, or the
 server's scheduler_forward_ms), and for remote the overhead against local with the same viewers. Servers do not
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lingbot_core.pipeline import load_pipeline  # noqa: E402
 from lingbot_core.remote.backend import RemoteConfig, RemoteEngine  # noqa: E402
-from lingbot_core.remote.client import list_models, RemoteUnavailable  # noqa: E402
+from lingbot_core.remote.client import list_models  # noqa: E402
 from lingbot_core.remote.model_config import remote_model_config  # noqa: E402
 from lingbot_core.requests import parse_start  # noqa: E402
 from lingbot_core.serving.engine import Admission, Block, Closed, Engine, EngineConfig, Failed  # noqa: E402
@@ -153,6 +153,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch threads of the local engine and of each server")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a viewer may take for its blocks")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every case, alternating their order; "
+                                                               "the table shows medians over the rounds")
     args = parser.parse_args()
     viewer_counts = [int(v) for v in args.viewers.split(",")]
     server_counts = [int(k) for k in args.servers.split(",")]
@@ -163,32 +165,32 @@ def main() -> None:
 
     pipeline = load_pipeline(args.model, dtype=args.dtype)
     request = parse_start(IMAGE.read_bytes(), PROMPT, 0, pipeline.config)
-    results = {}
     engine = Engine(pipeline, EngineConfig(max_sessions=max(viewer_counts), max_lead_blocks=1))
-    try:
-        for viewers in viewer_counts:
-            results[("local", viewers)] = summarise(run_case(engine, request, viewers, args.blocks, args.timeout),
-                                                    args.skip)
-    finally:
-        engine.shutdown()
-    del engine, pipeline  # the servers need the memory and the cores
-
     model_config = remote_model_config(args.model)
-    for k in server_counts:
-        servers = Servers(k, args.model, args.dtype, args.threads)
-        try:
-            remote = RemoteEngine(servers.urls, model_config, EngineConfig(max_lead_blocks=1),
-                                  RemoteConfig(output_pacing=False))
-            try:
-                for viewers in viewer_counts:
-                    results[(f"remote K={k}", viewers)] = summarise(
-                        run_case(remote, request, viewers, args.blocks, args.timeout), args.skip)
-            finally:
-                remote.shutdown()
-        except RemoteUnavailable as exc:
-            print(f"K={k}: {exc}")
-        finally:
+    server_sets, remotes = {}, {}
+    rounds: dict[tuple[str, int], list[dict]] = {}
+    try:
+        for k in server_counts:  # started once; idle servers cost no compute between the rounds
+            server_sets[k] = Servers(k, args.model, args.dtype, args.threads)
+            remotes[k] = RemoteEngine(server_sets[k].urls, model_config, EngineConfig(max_lead_blocks=1),
+                                      RemoteConfig(output_pacing=False))
+        # Rounds alternate the backends, so a busy spell of this shared host does not land on one of them.
+        for round_index in range(args.rounds):
+            for viewers in viewer_counts:
+                cases = [("local", engine)] + [(f"remote K={k}", remotes[k]) for k in server_counts]
+                for name, backend in (cases if round_index % 2 == 0 else cases[::-1]):
+                    rounds.setdefault((name, viewers), []).append(
+                        summarise(run_case(backend, request, viewers, args.blocks, args.timeout), args.skip))
+    finally:
+        for remote in remotes.values():
+            remote.shutdown()
+        for servers in server_sets.values():
             servers.close()
+        engine.shutdown()
+    results = {key: {"blocks": sum(r["blocks"] for r in runs),
+                     **{f: statistics.median(r[f] for r in runs) for f in ("throughput", "interval_ms", "block_ms")},
+                     "errors": [e for r in runs for e in r["errors"]], "waited": max(r["waited"] for r in runs)}
+               for key, runs in rounds.items()}
 
     print(f"\n{'backend':<12} {'viewers':>7} {'seated':>6} {'blocks':>6} {'blocks/s':>8} {'interval ms':>11} "
           f"{'model ms':>8} {'vs local':>9}")
