@@ -9,10 +9,11 @@ Either may carry "prompt": a new text from the next block on.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .model.camera import VALID_KEYS
+from .model.text import PromptError, normalize_prompt
 from .user_text import check_text, quote
 
 MAX_EVENT_LINE_BYTES = 64 * 1024
@@ -78,6 +79,21 @@ def parse_event(raw: object, frames_per_block: int) -> Event:
         count = len(frames) if isinstance(frames, list) else type(frames).__name__
         raise EventError(f"event {event_id} frames must be a list of {frames_per_block} key lists, got {count}")
     return ScriptEvent(event_id, tuple(_keys(f, f"event {event_id} frame {i}") for i, f in enumerate(frames)), prompt)
+
+
+def accept_event(raw: object, frames_per_block: int, max_prompt_chars: int) -> Event:
+    """An event as a session takes it, local or remote: parsed unless already typed, a script exactly one block
+    long, a prompt cleaned as the text path cleans it (normalize_prompt). EventError names what is wrong."""
+    event = raw if isinstance(raw, (ScriptEvent, KeyStateEvent)) else parse_event(raw, frames_per_block)
+    if isinstance(event, ScriptEvent) and len(event.frames) != frames_per_block:
+        raise EventError(f"event {event.event_id} frames must hold {frames_per_block} key sets, "
+                         f"got {len(event.frames)}")
+    if event.prompt is not None:
+        try:
+            event = replace(event, prompt=normalize_prompt(event.prompt, max_prompt_chars))
+        except PromptError as exc:
+            raise EventError(f"event {event.event_id} prompt: {exc}") from None
+    return event
 
 
 def parse_event_line(line: str | bytes, frames_per_block: int) -> Event:

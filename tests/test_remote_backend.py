@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from fake_upstream import BUSY_TEXT, FakeUpstream
+from outbox import take
 from lingbot_core.config import tiny_config
 from lingbot_core.events import EventError, KeyStateEvent, ScriptEvent
 from lingbot_core.generate import RenderRequest, controls_from_events
@@ -66,18 +67,6 @@ def engine_for(*servers_or_urls, clock=time.monotonic, **config) -> RemoteEngine
     urls = [s if isinstance(s, str) else s.url for s in servers_or_urls]
     remote = RemoteConfig(receive_timeout_s=10, open_timeout_s=5, **config.pop("remote", {}))
     return RemoteEngine(urls, CONFIG, EngineConfig(**config), remote, clock=clock)
-
-
-def take(engine, session_id, kind=Block, skip=(Waiting, NewWorld)):
-    """The next message of `kind`, skipping the kinds in `skip`; anything else fails the test."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        message = engine.next_message(session_id, timeout=0.5)
-        if message is None or (isinstance(message, skip) and not isinstance(message, kind)):
-            continue
-        assert isinstance(message, kind), f"expected {kind.__name__}, got {message!r}"
-        return message
-    raise AssertionError(f"no {kind.__name__} within {WAIT_S} s")
 
 
 def sent_frames(server: FakeUpstream, session: int, chunk: int) -> np.ndarray:

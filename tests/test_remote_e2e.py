@@ -28,6 +28,7 @@ from PIL import Image
 
 from app_driver import FOREST, VILLAGE, free_port, stream_outputs
 from gradio_client import Client, handle_file
+from outbox import take
 from lingbot_core.events import KeyStateEvent
 from lingbot_core.remote.backend import RemoteConfig, RemoteEngine, create_remote_engine, png_bytes
 from lingbot_core.remote.client import RealtimeClient, list_models
@@ -107,18 +108,6 @@ def oracle():
 def remote_engine(*servers: ServerProcess, **config) -> RemoteEngine:
     return RemoteEngine([s.url for s in servers], remote_model_config("tiny"), EngineConfig(**config),
                         RemoteConfig(receive_timeout_s=30, open_timeout_s=10, backoff_s=0.5))
-
-
-def take(engine, session_id, kind=Block, skip=(Waiting, NewWorld)):
-    """The next message of `kind`, skipping the kinds in `skip`; anything else fails the test."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        message = engine.next_message(session_id, timeout=0.5)
-        if message is None or (isinstance(message, skip) and not isinstance(message, kind)):
-            continue
-        assert isinstance(message, kind), f"expected {kind.__name__}, got {message!r}"
-        return message
-    raise AssertionError(f"no {kind.__name__} within {WAIT_S} s")
 
 
 def regenerate(pipeline, request, entries: list[dict]) -> np.ndarray:

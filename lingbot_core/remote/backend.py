@@ -43,15 +43,14 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from ..config import ModelConfig
-from ..events import Event, EventError, KeyStateEvent, ScriptEvent, parse_event
+from ..events import Event, EventError, KeyStateEvent, accept_event
 from ..generate import RenderRequest
 from ..image import image_digest
-from ..model.text import PromptError, normalize_prompt
 from ..requests import StartRequest
 from ..serving.engine import (Admission, AdmissionRefused, Block, Closed, EngineConfig, Failed, Message, NewWorld,
                               Ticket, UnknownSession, Waiting)
@@ -425,25 +424,11 @@ class RemoteEngine:
             raise UnknownSession(session_id, closed.reason if closed is not None else None)
         return session
 
-    def _check_event(self, raw: dict | Event) -> Event:
-        """The local session's checks (serving/session.py), so a bad event is refused the same way."""
-        config = self._model_config
-        frames_per_block = config.transformer.num_frames_per_block
-        event = raw if isinstance(raw, (ScriptEvent, KeyStateEvent)) else parse_event(raw, frames_per_block)
-        if isinstance(event, ScriptEvent) and len(event.frames) != frames_per_block:
-            raise EventError(f"event {event.event_id} frames must hold {frames_per_block} key sets, "
-                             f"got {len(event.frames)}")
-        if event.prompt is not None:
-            try:
-                event = replace(event, prompt=normalize_prompt(event.prompt, config.text.max_prompt_chars))
-            except PromptError as exc:
-                raise EventError(f"event {event.event_id} prompt: {exc}") from None
-        return event
-
     def post_event(self, session_id: str, raw: dict | Event) -> None:
         """Send one event now (or after the next init, while the session has no connection); EventError (a
         ValueError) names what is wrong, UnknownSession when it is closed."""
-        event = self._check_event(raw)
+        config = self._model_config  # the local session's checks, so a bad event is refused the same way
+        event = accept_event(raw, config.transformer.num_frames_per_block, config.text.max_prompt_chars)
         with self._lock:
             session = self._open_locked(session_id)
         with session.send_lock:

@@ -29,11 +29,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..condition_cache import ConditionCache
-from ..events import Event, EventError, KeyStateEvent, ScriptEvent, parse_event
+from ..events import Event, EventError, ScriptEvent, accept_event
 from ..image import image_digest
 from ..kv_cache import KVPagePool
 from ..pages import PageAllocator
-from ..model.text import PromptError, normalize_prompt
 from ..requests import StartRequest
 from ..rollout import BlockControl, BlockOutput, RolloutState, release
 from .memory import Footprint, committed_bytes, in_flight_bytes
@@ -199,17 +198,8 @@ class Session:
 
     def post_event(self, raw: dict | Event) -> Event:
         """Queue one event for the next block boundary; a bad event raises EventError and changes nothing."""
-        frames_per_block = self.pipeline.config.transformer.num_frames_per_block
-        event = raw if isinstance(raw, (ScriptEvent, KeyStateEvent)) else parse_event(raw, frames_per_block)
-        if isinstance(event, ScriptEvent) and len(event.frames) != frames_per_block:
-            raise EventError(f"event {event.event_id} frames must hold {frames_per_block} key sets, "
-                             f"got {len(event.frames)}")
-        if event.prompt is not None:
-            limit = self.pipeline.config.text.max_prompt_chars
-            try:
-                event = replace(event, prompt=normalize_prompt(event.prompt, limit))
-            except PromptError as exc:
-                raise EventError(f"event {event.event_id} prompt: {exc}") from None
+        config = self.pipeline.config
+        event = accept_event(raw, config.transformer.num_frames_per_block, config.text.max_prompt_chars)
         with self._lock:
             self._check_open()
             if event.event_id <= self._last_event_id:
