@@ -633,7 +633,7 @@ def _header(config, engine: Engine) -> str:
     if isinstance(engine, RemoteEngine):
         text += (f" Plays from **{engine.capacity} remote SGLang realtime server(s)**, one world per server "
                  f"({', '.join(engine.urls)}).")
-    precision = engine.pipeline.precision if isinstance(engine, Engine) else None
+    precision = None if isinstance(engine, RemoteEngine) else engine.pipeline.precision  # remote: the servers'
     if precision is not None:
         text += f" Precision **{precision.name}**: {precision.reason}."
     if not config.trained:
