@@ -345,6 +345,17 @@ def world_examples() -> list[list[str]]:
     return [[str(path), WORLD_PROMPT] for path in paths if path.is_file()]
 
 
+def warm_examples(engine: Engine, examples: list[list[str]]) -> None:
+    """Have the idle model encode the examples' condition streams (Engine.prewarm), so a world started from
+    one plays at full speed from its first block. A picture that cannot be read is left out here; its Start
+    says why."""
+    pictures = []
+    for path, prompt in examples:
+        with contextlib.suppress(ValueError, OSError):
+            pictures.append(parse_start(path, prompt, 0, engine.model_config).picture)
+    engine.prewarm(pictures)
+
+
 def sweep_old_files(folder: Path, pattern: str, older_than_s: float) -> None:
     """Remove files of `folder` matching `pattern` last written more than `older_than_s` ago."""
     for old in folder.glob(pattern):
@@ -518,6 +529,7 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
 
     examples = world_examples() if world_model else []
     examples = examples or [[str(EXAMPLES / name), text] for name, text in PHOTO_EXAMPLES]
+    warm_examples(engine, examples)
     with gr.Blocks(title="LingBot-World v2", delete_cache=delete_cache) as demo:
         gr.Markdown(_header(config, engine))
         with gr.Tab("Play"):

@@ -23,7 +23,7 @@ from .loading import LoadedParts, load_pipeline_parts
 from .startup import StartupLog, maybe_stage
 from .model.attention import context_frames
 from .model.text import TextEncoder, normalize_prompt
-from .model.vae_stream import ConditionStream, FrameDecoder, compile_frame_decoder, decode_latent_frame
+from .model.vae_stream import ConditionStream, FrameDecoder, SharedCondition, compile_frame_decoder, decode_latent_frame
 from .precision import AUTO, DTYPES, Precision, choose_precision
 from .requests import StartRequest, parse_start
 from .rollout import BlockControl, BlockOutput, RolloutState, condition_pixels, new_rollout, release, step_block
@@ -68,10 +68,20 @@ class Pipeline:
         stream through this cache."""
         pixels = image_to_tensor(request.picture, self.config.height, self.config.width)  # fitted: no resample
         if conditions is not None:
-            shared = conditions.stream_for(condition_pixels(self.vae, pixels))
-            kwargs["condition"] = ConditionStream.reading(shared)
+            kwargs["condition"] = ConditionStream.reading(self.shared_condition(request.picture, conditions))
         return new_rollout(self.config, self.vae, pixels, self.encode_prompt(request.prompt), request.prompt,
                            request.seed, **kwargs)
+
+    def shared_condition(self, picture, conditions: ConditionCache) -> SharedCondition:
+        """The condition stream that sessions from `picture` (fitted to the model's size, as
+        StartRequest.picture) share through `conditions`."""
+        pixels = image_to_tensor(picture, self.config.height, self.config.width)
+        return conditions.stream_for(condition_pixels(self.vae, pixels))
+
+    def encode_next_condition_block(self, shared: SharedCondition) -> None:
+        """Encode one more block of a shared condition stream (nothing once it is at its fixed point)."""
+        with torch.inference_mode():  # as a block's own condition encode runs (step)
+            shared.block(self.vae, shared.blocks_known, self.config)
 
     def with_prompt(self, state: RolloutState, prompt: str) -> RolloutState:
         """A copy of `state` that uses a new prompt; `state` itself stays valid until a block commits.

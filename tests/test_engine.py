@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -247,6 +248,59 @@ def test_a_shared_condition_stream_gives_exactly_the_blocks_of_a_private_one(pip
         for block, latents in enumerate(shared[session_id]):
             assert torch.equal(private.step().latents, latents), (seed, block)
         private.close()
+
+
+def test_prewarm_encodes_a_picture_while_idle_and_its_sessions_then_encode_nothing(pipe, image, clock):
+    """The app's examples: encoded one block at a time while no session may run, never ahead of a session
+    that may, and a session from the picture then equals one that encoded its own stream."""
+    calls, handle = _count_encoder_calls(pipe)
+    try:
+        engine = _engine(pipe, clock, max_sessions=2)
+        picture = _request(image, PROMPT, 0).picture
+        probed = len(calls)  # the engine's memory probe ran the encoder
+        engine.prewarm([picture])
+        assert len(engine.conditions) == 1 and len(calls) == probed  # queued, nothing encoded yet
+
+        other = _admit(engine, 255 - image)  # a session that may run goes first
+        assert not engine.warm_one_condition_block()
+        assert engine.run_once() == other  # its block waits for its consumer: the model is idle
+        stream = pipe.shared_condition(picture, engine.conditions)  # the entry the prewarm fills
+        warmed = 0
+        while engine.warm_one_condition_block():
+            warmed += 1
+            assert stream.blocks_known == warmed  # one block a call
+        assert stream.fixed and warmed > 3
+        assert engine.conditions.nbytes() <= engine.conditions.max_bytes + engine.session_bytes
+        engine.close(other)
+
+        done = len(calls)
+        session = _admit(engine, image, seed=4)
+        warm = _run_blocks(engine, session, warmed + 2)  # past the fixed point
+        assert len(calls) == done, "a session from a prewarmed picture encoded its condition again"
+        engine.shutdown()
+    finally:
+        handle.remove()
+    pool = pipe.new_pool()
+    private = Session("private", pipe, pool, PageAllocator(pool.num_pages), _request(image, PROMPT, 4))
+    for block, latents in enumerate(warm):
+        assert torch.equal(private.step().latents, latents), block
+    private.close()
+
+
+def test_the_worker_prewarms_on_its_own_then_serves_a_start(pipe, image):
+    engine = Engine(pipe, EngineConfig(memory_budget_bytes=BIG, max_sessions=1))
+    try:
+        picture = _request(image, PROMPT, 0).picture
+        engine.prewarm([picture])
+        stream = pipe.shared_condition(picture, engine.conditions)  # the entry the prewarm fills
+        deadline = time.monotonic() + 60
+        while not stream.fixed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stream.fixed, "the idle worker did not finish the prewarm"
+        session = engine.admit(_request(image, PROMPT, 1)).session_id
+        assert isinstance(_take(engine, session, timeout=30), Block)
+    finally:
+        engine.shutdown()
 
 
 def test_the_kept_condition_streams_stay_within_their_bytes(pipe, image, clock):

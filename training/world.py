@@ -89,6 +89,11 @@ class WorldTrainConfig:
     rollout_share: float = 0.5
     lr_decay_from: int = -1  # from this step on the learning rate falls linearly to lr * lr_final (-1: constant)
     lr_final: float = 0.1
+    # Weight of each latent position in the loss: 1 + motion_weight * (how much the true latents change
+    # there from the previous frame, over its batch mean). Camera motion shows mostly where objects and
+    # texture move, a small share of a frame; weighting it up makes the camera's part of the error count
+    # (0: plain mean squared error).
+    motion_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.blocks < 1 or self.batch < 1 or self.stored_clips < 1:
@@ -97,6 +102,8 @@ class WorldTrainConfig:
             raise ValueError("rollout_share must be within [0, 1]")
         if not 0.0 < self.lr_final <= 1.0:
             raise ValueError("lr_final must be within (0, 1]")
+        if self.motion_weight < 0.0:
+            raise ValueError("motion_weight must be at least 0")
 
     def learning_rate(self, step: int, steps: int) -> float:
         """Constant, then a linear fall from lr_decay_from to lr * lr_final at the run's last step: a long
@@ -222,9 +229,20 @@ def sampler_sigmas(config: ModelConfig) -> torch.Tensor:
     return torch.tensor(config.sampler.sigmas(), dtype=torch.float32)
 
 
+def motion_weights(x0: torch.Tensor, motion_weight: float) -> torch.Tensor:
+    """[B, 1, F, h, w] loss weights: 1 + motion_weight * |x0_f - x0_(f-1)| (channel mean) / its batch mean.
+
+    Frame 0 has no previous frame and weight 1. The weights follow the true latents, so a rollout batch
+    (whose context is the model's own) is weighted as its teacher-forced twin."""
+    change = torch.zeros_like(x0[:, :1])
+    change[:, :, 1:] = (x0[:, :, 1:] - x0[:, :, :-1]).abs().mean(1, keepdim=True)
+    return 1.0 + motion_weight * change / change.mean().clamp_min(1e-8)
+
+
 def teacher_forced_loss(model: CausalLingBotWorldTransformer3DModel, config: ModelConfig, batch: dict,
-                        text_kv, generator: torch.Generator) -> torch.Tensor:
-    """Mean squared x0 error of every block given the context latents in batch['context'].
+                        text_kv, generator: torch.Generator, motion_weight: float = 0.0) -> torch.Tensor:
+    """Mean squared x0 error of every block given the context latents in batch['context'], each
+    position weighted by `motion_weights` (a plain mean when motion_weight is 0).
 
     Block by block, as inference runs: a t=0 forward of the block's clean context latents reads the
     K/V its context frames recorded and records its own (the commit), and a forward of its noisy
@@ -239,6 +257,7 @@ def teacher_forced_loss(model: CausalLingBotWorldTransformer3DModel, config: Mod
     sigmas = sampler_sigmas(config)
     choice = torch.randint(len(sigmas), (b, frames // per_block), generator=generator)
     noise = torch.randn(x0.shape, generator=generator)
+    weights = motion_weights(x0, motion_weight)
     record = RecordKV()
     losses = []
     for block, start in enumerate(range(0, frames, per_block)):
@@ -249,7 +268,9 @@ def teacher_forced_loss(model: CausalLingBotWorldTransformer3DModel, config: Mod
         x_t = (1.0 - s) * x0[:, :, own] + s * noise[:, :, own]
         v = model(torch.cat([x_t, extra[:, :, own]], 1), config.sampler.num_train_timesteps * sigma, text_kv,
                   plucker[:, own], start, cache=reader)
-        losses.append(((x_t - s * v) - x0[:, :, own]).square().mean())
+        weight = weights[:, :, own]
+        error = ((x_t - s * v) - x0[:, :, own]).square()
+        losses.append((weight * error).mean() / weight.mean())
         commit = _CommitKV(record, context_frames(start, config.transformer), tokens)
         model(torch.cat([context[:, :, own], extra[:, :, own]], 1), torch.zeros(b), text_kv, plucker[:, own],
               start, cache=commit)
@@ -350,8 +371,9 @@ def load_checkpoint(run_dir: Path, tc: WorldTrainConfig | None = None) -> tuple[
     if state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path} is not a training.world checkpoint of format {CHECKPOINT_FORMAT}")
     saved = WorldTrainConfig(**state["train_config"])
-    # May change on resume: the curriculum and the schedule's end are decided as the run goes.
-    ignore = {"rollout_from", "rollout_share", "lr_decay_from", "lr_final"}
+    # May change on resume: the curriculum, the loss weighting and the schedule's end are decided as
+    # the run goes.
+    ignore = {"rollout_from", "rollout_share", "lr_decay_from", "lr_final", "motion_weight"}
     if tc is not None:
         diff = {k: (v, getattr(tc, k)) for k, v in dataclasses.asdict(saved).items()
                 if k not in ignore and getattr(tc, k) != v}
@@ -394,7 +416,7 @@ def train(tc: WorldTrainConfig, run_dir: Path, steps: int, checkpoint_every: int
                 batch["context"] = rollout_context(model, config, batch, text_kv, generator).detach()
                 model.train()
                 text_kv = model.prepare_text(texts[prompt:prompt + 1].expand(tc.batch, -1, -1))
-            loss = teacher_forced_loss(model, config, batch, text_kv, generator)
+            loss = teacher_forced_loss(model, config, batch, text_kv, generator, tc.motion_weight)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss at step {step}; lower --lr (the checkpoint is kept)")
             for group in optimizer.param_groups:
@@ -450,6 +472,8 @@ def main() -> None:
     parser.add_argument("--lr-decay-from", type=int, default=d.lr_decay_from,
                         help="step from which the rate falls linearly to lr * --lr-final at --steps")
     parser.add_argument("--lr-final", type=float, default=d.lr_final)
+    parser.add_argument("--motion-weight", type=float, default=d.motion_weight,
+                        help="extra loss weight where the true latents change between frames (0: plain MSE)")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--threads", type=int, default=2)
@@ -467,7 +491,8 @@ def main() -> None:
                               stored_clips=args.stored_clips, blocks=args.blocks, batch=args.batch, lr=args.lr,
                               weight_decay=args.weight_decay, seed=args.seed, data_seed=args.data_seed,
                               rollout_from=args.rollout_from, rollout_share=args.rollout_share,
-                              lr_decay_from=args.lr_decay_from, lr_final=args.lr_final)
+                              lr_decay_from=args.lr_decay_from, lr_final=args.lr_final,
+                              motion_weight=args.motion_weight)
         print(f"run {run_dir}")
         train(tc, run_dir, args.steps, args.checkpoint_every)
     except (ValueError, FloatingPointError) as error:

@@ -472,6 +472,9 @@ class RemoteEngine:
                 self._changed.notify_all()
         self._close_client(client)
 
+    def prewarm(self, pictures) -> None:
+        """As Engine.prewarm, with nothing to do here: each server encodes its own condition streams."""
+
     def pace(self, session_id: str, start_in_s: float) -> None:
         """Accepted for the stream's sake; the server paces itself (realtime_output_pacing) and the outbox
         bound holds it back. UnknownSession when closed."""

@@ -241,6 +241,7 @@ class Engine:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)  # outboxes, input, jobs
         self._jobs: deque[tuple[Callable[[], Any], Future]] = deque()  # model work for the worker, in order
+        self._prewarm: deque[Any] = deque()  # SharedCondition streams to encode while no session needs the model
         self._stopped = False
         self._worker_running = False  # set and cleared under _lock: whether queued jobs will be run
         self._worker: threading.Thread | None = None
@@ -576,6 +577,47 @@ class Engine:
         live sessions, like every other kernel of this process; its private page pool is its own."""
         return self._on_model_thread(lambda: render(self.pipeline, request, out_path))
 
+    # -- condition warm-up -------------------------------------------------------------------------
+
+    def prewarm(self, pictures) -> None:
+        """Encode these start pictures' condition streams to their fixed point while the model is idle.
+
+        Until its stream reaches the fixed point (about ten blocks for the embedded VAE) every block of a
+        new picture pays a condition encode, the largest part of an early block on a CPU. The app passes its
+        example pictures, so a world started from one runs at full speed from its first block. `pictures`
+        are PIL images fitted to the model's size (as StartRequest.picture: lingbot_core/requests.py). The
+        work goes one block at a time between everything else (`warm_one_condition_block`): a session or a
+        queued job never waits for more than one block's encode, and the streams live in the condition
+        cache within its reserve, accounted like any other.
+        """
+        def queue() -> None:
+            streams = [self.pipeline.shared_condition(picture, self.conditions) for picture in pictures]
+            with self._lock:
+                self._prewarm.extend(stream for stream in streams if not stream.fixed)
+                self._changed.notify_all()
+        self._on_model_thread(queue)
+
+    def warm_one_condition_block(self) -> bool:
+        """One block of the oldest unfinished prewarm stream, if no session may run and no job waits.
+
+        The idle worker calls this; tests without a worker call it directly. Returns whether it encoded."""
+        with self._step_lock:
+            with self._lock:
+                busy = self._stopped or self._jobs or any(self._runnable_locked(live) for live in self._sessions.values())
+                while self._prewarm and self._prewarm[0].fixed:
+                    self._prewarm.popleft()
+                if busy or not self._prewarm:
+                    return False
+                stream = self._prewarm[0]
+            try:
+                self.pipeline.encode_next_condition_block(stream)
+            except Exception:  # the stream is as it was (SharedCondition keeps a failed encode out); drop it
+                log.exception("condition prewarm failed; the picture's sessions will encode it themselves")
+                with self._lock:
+                    self._prewarm.popleft()
+            self.conditions.trim()
+            return True
+
     # -- telemetry and accounting ------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -705,6 +747,8 @@ class Engine:
             except Exception:  # a bug, not a session failure: keep serving the others
                 log.exception("engine worker iteration failed")
                 ran = None
+            if ran is None and self.warm_one_condition_block():
+                continue
             if ran is None:
                 with self._lock:
                     if not self._stopped and not self._jobs and not any(
