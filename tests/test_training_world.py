@@ -1,11 +1,12 @@
 """training/world.py trains the structure inference runs: its per-block forwards equal the paged-cache ones."""
 
+import pytest
 import torch
 
 from lingbot_core.config import tiny_config
 from lingbot_core.kv_cache import KVPagePool, SessionKV
 from lingbot_core.model.transformer import CausalLingBotWorldTransformer3DModel
-from training.world import RecordKV, _CommitKV, ReadKV, rollout_context, teacher_forced_loss
+from training.world import RecordKV, _CommitKV, ReadKV, motion_weights, rollout_context, teacher_forced_loss
 from lingbot_core.model.attention import context_frames
 from lingbot_core.pages import PageAllocator
 
@@ -74,3 +75,14 @@ def test_teacher_forced_loss_trains_and_rollout_context_has_the_latent_shape():
     kv = model.prepare_text(torch.ones(1, 4, config.transformer.text_dim))
     context = rollout_context(model, config, batch, kv, torch.Generator().manual_seed(1))
     assert context.shape == x0.shape and torch.isfinite(context).all()
+
+
+def test_motion_weights_count_where_the_true_latents_change():
+    x0 = torch.zeros(1, 2, 3, 2, 2)
+    x0[:, :, 2, 0, 0] = 1.0  # one position of frame 2 differs from frame 1, in both channels
+    weights = motion_weights(x0, 4.0)
+    assert weights.shape == (1, 1, 3, 2, 2)
+    # The mean change over the batch is 1/12, so the changed position weighs 1 + 4 * 12; the rest 1.
+    assert weights[0, 0, 2, 0, 0].item() == pytest.approx(49.0)
+    assert weights.sum().item() == pytest.approx(11 + 49.0)
+    assert torch.equal(motion_weights(x0, 0.0), torch.ones_like(weights))  # 0: plain mean squared error
