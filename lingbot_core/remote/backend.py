@@ -42,7 +42,7 @@ import os
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -52,8 +52,8 @@ from ..events import Event, EventError, KeyStateEvent, accept_event
 from ..generate import RenderRequest
 from ..image import image_digest
 from ..requests import StartRequest
-from ..serving.engine import (Admission, AdmissionRefused, Block, Closed, EngineConfig, Failed, Message, NewWorld,
-                              Ticket, UnknownSession, Waiting)
+from ..serving.engine import (Admission, AdmissionRefused, Block, Closed, ClosedSessions, EngineConfig, Failed, Message,
+                              NewWorld, Ticket, Waiting)
 from ..serving.session import Replay, SessionStatus
 from ..video import H264Writer
 from .actions import CameraInput, script_payload, state_payload
@@ -148,7 +148,7 @@ class RemoteEngine:
         self._model_config = model_config
         self._sessions: dict[str, _Remote] = {}  # every open session, seated or in line
         self._line: deque[_Remote] = deque()
-        self._closed: OrderedDict[str, Closed] = OrderedDict()
+        self._closed = ClosedSessions(self.config.remembered_closes)
         self._threads: list[threading.Thread] = []
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -418,11 +418,7 @@ class RemoteEngine:
     # -- per-session verbs -------------------------------------------------------------------------
 
     def _open_locked(self, session_id: str) -> _Remote:
-        session = self._sessions.get(session_id)
-        if session is None:
-            closed = self._closed.get(session_id)
-            raise UnknownSession(session_id, closed.reason if closed is not None else None)
-        return session
+        return self._closed.find_open(self._sessions, session_id)
 
     def post_event(self, session_id: str, raw: dict | Event) -> None:
         """Send one event now (or after the next init, while the session has no connection); EventError (a
@@ -490,7 +486,7 @@ class RemoteEngine:
                 while True:
                     current = self._sessions.get(session_id)
                     if current is None:
-                        return self._closed_message(session_id)
+                        return self._closed.message(session_id)
                     if session is None:
                         session = current
                         session.readers += 1
@@ -507,12 +503,6 @@ class RemoteEngine:
                 if session is not None:
                     session.readers -= 1
                     session.seen = self.clock()
-
-    def _closed_message(self, session_id: str) -> Closed:
-        closed = self._closed.get(session_id)
-        if closed is None:
-            raise UnknownSession(session_id)
-        return closed
 
     def close(self, session_id: str, reason: str = "closed") -> None:
         """Close the session or its place in line (idempotent): the WebSocket closes, the seat frees and the
@@ -540,9 +530,7 @@ class RemoteEngine:
         session.pending.clear()
         session.sent.clear()
         del self._sessions[session.session_id]
-        self._closed[session.session_id] = Closed(reason, idle)
-        while len(self._closed) > self.config.remembered_closes:
-            self._closed.popitem(last=False)
+        self._closed.remember(session.session_id, Closed(reason, idle))
         client, session.client = session.client, None
         self._dispatch_locked()
         return client
@@ -563,7 +551,7 @@ class RemoteEngine:
         with self._lock:
             session = self._sessions.get(session_id)
             if session is None:
-                return {"status": SessionStatus.CLOSED.value, "closed_reason": self._closed_message(session_id).reason}
+                return {"status": SessionStatus.CLOSED.value, "closed_reason": self._closed.message(session_id).reason}
             blocks = session.replay.blocks
             return {"status": "waiting" if session.in_line else SessionStatus.ACTIVE.value,
                     "block_index": len(blocks) - 1 if blocks else None, "bytes": session.outbox_bytes,

@@ -192,6 +192,36 @@ class Closed:
 Message = Waiting | NewWorld | Block | Failed | Closed
 
 
+class ClosedSessions:
+    """Why the most recently closed sessions ended (the newest `limit`), so a late reader or a late verb on
+    a closed id learns the reason. Every backend keeps one; callers hold their own lock around it."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._reasons: OrderedDict[str, Closed] = OrderedDict()
+
+    def remember(self, session_id: str, closed: Closed) -> None:
+        self._reasons[session_id] = closed
+        while len(self._reasons) > self.limit:
+            self._reasons.popitem(last=False)
+
+    def message(self, session_id: str) -> Closed:
+        """Why it closed; UnknownSession for an id never seen or long forgotten."""
+        closed = self._reasons.get(session_id)
+        if closed is None:
+            raise UnknownSession(session_id)
+        return closed
+
+    def find_open(self, sessions: dict[str, T], session_id: str) -> T:
+        """`sessions[session_id]` (a backend's open sessions); for an id not open, UnknownSession with the
+        reason it closed when that is remembered."""
+        session = sessions.get(session_id)
+        if session is None:
+            closed = self._reasons.get(session_id)
+            raise UnknownSession(session_id, closed.reason if closed is not None else None)
+        return session
+
+
 class _Queued:
     """A place in line: the parsed request the engine will open a session from, and the outbox its consumer
     reads meanwhile (under the id the session will have)."""
@@ -236,7 +266,7 @@ class Engine:
         self.clock = clock
         self._sessions: OrderedDict[str, _Live] = OrderedDict()  # round-robin order
         self._waiting: OrderedDict[str, _Queued] = OrderedDict()  # the line, first first, by future session id
-        self._closed: OrderedDict[str, Closed] = OrderedDict()  # recently closed id -> why
+        self._closed = ClosedSessions(config.remembered_closes)
         self._step_lock = threading.Lock()
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)  # outboxes, input, jobs
@@ -442,11 +472,7 @@ class Engine:
     # -- per-session verbs -------------------------------------------------------------------------
 
     def _live_locked(self, session_id: str) -> _Live:
-        live = self._sessions.get(session_id)
-        if live is None:
-            closed = self._closed.get(session_id)
-            raise UnknownSession(session_id, closed.reason if closed is not None else None)
-        return live
+        return self._closed.find_open(self._sessions, session_id)
 
     def post_event(self, session_id: str, raw: dict | Event) -> None:
         """Queue one event for the session's next block; EventError (a ValueError) names what is wrong."""
@@ -486,7 +512,7 @@ class Engine:
                         reading.readers -= 1  # seated or gone: no longer this place's reader
                         reading = None
                     if holder is None:  # closed, or left the line (its Closed comes from the table)
-                        return self._closed_message(session_id)
+                        return self._closed.message(session_id)
                     if isinstance(holder, _Live):
                         holder.session.last_consumed = self.clock()  # waiting for video counts as watching
                     else:
@@ -520,13 +546,6 @@ class Engine:
             live.start_at = self.clock() + start_in_s
             self._changed.notify_all()
 
-    def _closed_message(self, session_id: str) -> Closed:
-        """Why a recently closed session ended; an id never seen (or long forgotten) raises UnknownSession."""
-        closed = self._closed.get(session_id)
-        if closed is None:
-            raise UnknownSession(session_id)
-        return closed
-
     def close(self, session_id: str, reason: str = "closed") -> None:
         """Close a session (by the user, or on consumer disconnect), or take its place out of the line;
         idempotent, returns every page, and seats whoever the room now fits."""
@@ -551,16 +570,14 @@ class Engine:
 
     def _remember_closed_locked(self, session_id: str, closed: Closed) -> None:
         """Why a session closed (or a place left the line), for its consumer's next_message and late callers."""
-        self._closed[session_id] = closed
-        while len(self._closed) > self.config.remembered_closes:
-            self._closed.popitem(last=False)
+        self._closed.remember(session_id, closed)
         self._changed.notify_all()
 
     def session_status(self, session_id: str) -> dict[str, Any]:
         with self._lock:
             live = self._sessions.get(session_id)
             if live is None:
-                return {"status": SessionStatus.CLOSED.value, "closed_reason": self._closed_message(session_id).reason}
+                return {"status": SessionStatus.CLOSED.value, "closed_reason": self._closed.message(session_id).reason}
             status = live.session.describe()
             status.update(bytes=sum(live.session.nbytes().values()), blocks_waiting=live.blocks_waiting,
                           waiting_for_input=live.waiting_for_input)
