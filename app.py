@@ -123,16 +123,19 @@ PAGE_JS = """
     window.addEventListener("pointerup", up);
     window.addEventListener("pointercancel", up);
   });
-  // Report the playhead while the video plays, so the server paces the world to what is on screen.
+  // Report the playhead while the video plays, so the server paces the world to what is on screen, and
+  // how often the player ran dry, so the server adapts how far ahead of it the video arrives.
+  let stalls = 0, watched = null;
   setInterval(() => {
     const v = document.querySelector("#lingbot-video video");
+    if (v && v !== watched) { watched = v; v.addEventListener("waiting", () => { stalls += 1; }); }
     const button = document.getElementById("lingbot-clock");
     if (v && button && !v.paused && !v.ended && v.readyState >= 2) button.click();
   }, 250);
   window.lingbotControls = {
     take() { const out = pending; pending = []; return JSON.stringify(out); },
     held() { return [...held].sort(); },
-    playhead() { const v = document.querySelector("#lingbot-video video"); return v ? String(v.currentTime) : ""; },
+    playhead() { const v = document.querySelector("#lingbot-video video"); return v ? `${v.currentTime} ${stalls}` : ""; },
   };
 }
 """
@@ -463,10 +466,11 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
                 gr.Warning(str(exc))
         return gr.skip()
 
-    def playhead_from_page(session_id, seconds, request: gr.Request):
-        if session_id and seconds:
+    def playhead_from_page(session_id, report, request: gr.Request):
+        if session_id and report:  # "seconds stalls" (lingbotControls.playhead)
+            seconds, _, stalls = str(report).partition(" ")
             with contextlib.suppress(StreamError):  # a report for a session that just ended
-                service.report_playhead(session_id, seconds, _viewer(request))
+                service.report_playhead(session_id, seconds, _viewer(request), stalls or None)
         return gr.skip()
 
     def act(session_id: str, events: str, request: gr.Request) -> str:

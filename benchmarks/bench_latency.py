@@ -149,6 +149,8 @@ def run(args) -> dict:
                 telemetry = page.locator("#lingbot-telemetry").inner_text()
                 if match := re.search(r"(\d+) ms/block", telemetry):
                     results["block_ms"].append(float(match.group(1)))
+                if match := re.search(r"lead (\d+\.\d+) s", telemetry):
+                    results["lead_s"] = float(match.group(1))  # the stream's adaptive lead (last seen)
                 time.sleep(0.3)
             results["ahead_s"] = statistics.median(page.evaluate("window.__probe.ahead.slice(-200)"))
             results["stalls"] = page.evaluate("window.__probe.stalls")
@@ -188,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         median_block = statistics.median(r["block_ms"])
         print(f"generation: median {median_block:.0f} ms per 12-frame block "
               f"({12 / (median_block / 1000):.1f} FPS generated vs 16 FPS playback)")
+    if "lead_s" in r:
+        print(f"pacing lead (adapts to the player's stalls) at the last press: {r['lead_s']:.2f} s")
     print(f"player buffer ahead of the playhead: median {r['ahead_s'] * 1000:.0f} ms; the player waited for data "
           f"{r['stalls']} times in {r['played_s']:.1f} s of video ({60 * r['stalls'] / r['played_s']:.1f} stalls "
           "per minute)")

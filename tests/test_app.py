@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -33,8 +34,8 @@ from lingbot_core.serving.engine import EngineConfig  # noqa: E402
 from lingbot_core.events import EventError, KeyStateEvent, parse_actions  # noqa: E402
 from lingbot_core.requests import RequestError, parse_seed  # noqa: E402
 from lingbot_core.serving.engine import Block  # noqa: E402
-from lingbot_core.serving.streaming import (LiveService, PlaybackClock, StreamConfig, StreamError,  # noqa: E402
-                                            telemetry_line)
+from lingbot_core.serving.streaming import (AdaptiveLead, LiveService, PlaybackClock, StreamConfig,  # noqa: E402
+                                            StreamError, telemetry_line)
 from lingbot_core.video import count_frames, frames_to_uint8, mp4_segment  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:::gradio.queueing")  # pandas deprecations in Gradio's analytics
@@ -397,8 +398,57 @@ def test_playhead_reports_are_checked(server, tmp_path):
         for bad in ("soon", float("nan"), -1.0, float("inf")):
             with pytest.raises(StreamError, match="playhead"):
                 service.report_playhead("any", bad)
+        for bad in ("many", "-1", "1.5", True, 2.0):
+            with pytest.raises(StreamError, match="stalls"):
+                service.report_playhead("any", 1.0, stalls=bad)
         with pytest.raises(StreamError, match="no session"):
             service.report_playhead("no-such-session", 1.0)
+    finally:
+        service.shutdown()
+
+
+def test_the_lead_grows_only_for_stalls_pacing_caused_and_shrinks_back_when_playback_is_smooth():
+    config = StreamConfig(lead_s=0.6, lead_min_s=0.3, lead_max_s=0.9, lead_up_s=0.15, lead_down_s=0.05,
+                          lead_calm_blocks=2)
+    lead = AdaptiveLead(config)
+    assert lead.after_block(stalled=True, held_back=False) == 0.6  # the model was late: a lead would not help
+    assert lead.after_block(stalled=True, held_back=True) == pytest.approx(0.75)
+    assert lead.after_block(stalled=True, held_back=True) == pytest.approx(0.9)
+    assert lead.after_block(stalled=True, held_back=True) == pytest.approx(0.9)  # at most lead_max_s
+    assert lead.after_block(stalled=False, held_back=True) == pytest.approx(0.9)  # one calm block: not yet
+    assert lead.after_block(stalled=False, held_back=True) == pytest.approx(0.85)  # two in a row
+    assert lead.after_block(stalled=True, held_back=False) == pytest.approx(0.85)  # resets the calm count
+    assert lead.after_block(stalled=False, held_back=True) == pytest.approx(0.85)
+    for _ in range(40):
+        lead.after_block(stalled=False, held_back=True)
+    assert lead.lead_s == pytest.approx(0.3)  # never below lead_min_s
+    with pytest.raises(ValueError, match="lead_min_s"):
+        StreamConfig(lead_min_s=1.0, lead_max_s=0.5)
+
+
+def test_a_page_that_reports_stalls_gets_a_longer_lead_and_sees_it(server, tmp_path):
+    """Through the stream: each block that follows a stall, the block having been held back for pacing,
+    adds lead_up_s, and the telemetry line shows the viewer's lead."""
+    _, engine, _ = server
+    config = StreamConfig(lead_s=0.0, lead_min_s=0.0, lead_max_s=10.0, lead_up_s=0.1, lead_calm_blocks=100)
+    service = LiveService(engine, tmp_path / "recordings", config)
+    reported = {"stalls": 0, "sent_s": 0.0}
+
+    def after(update, n):
+        if update.segment is not None:
+            # The player holds 2 s of video (so the next block is held back for pacing, however slow this
+            # machine makes the tiny model) and ran dry once more since the last block.
+            reported["sent_s"] += count_frames(update.segment)[0] / 16
+            reported["stalls"] += 1
+            service.report_playhead(update.session_id, max(0.0, reported["sent_s"] - 2.0), "tab-1",
+                                    stalls=reported["stalls"])
+        return "leave" if n == 8 else None
+
+    try:
+        updates = collect(service, FOREST, viewer="tab-1", after=after, limit=400)
+        leads = [float(re.search(r"lead (\d+\.\d+) s", u.telemetry).group(1)) for u in updates
+                 if u.segment is not None and "lead" in u.telemetry]
+        assert leads and leads == sorted(leads) and leads[-1] > leads[0], leads
     finally:
         service.shutdown()
 

@@ -12,8 +12,10 @@ viewer's playhead (reported by the page, else estimated) runs out of video, give
 takes to make. No finished block waits in the outbox with old input: a key pressed u seconds before a
 block starts shows up u + the block's making + lead_s later, about 1.3-1.7 s here when blocks make
 faster than they play. Where blocks take longer than they play, each starts at once and the viewer
-waits for it anyway. The telemetry line shows each key's press -> frame latency as the stream
-estimates it.
+waits for it anyway. The lead adapts per viewer (`AdaptiveLead`): the page reports how often its player
+ran dry, a stall after a held-back block lengthens the lead, smooth playback shortens it again, so it
+settles at the least this viewer's delivery path plays without stalls. The telemetry line shows each
+key's press -> frame latency as the stream estimates it, and the lead.
 
 The stream only drains the engine's messages for its session (Waiting, NewWorld, Block, Failed, Closed): the
 world's state, its idle policy and its close reason are the engine's, and the recording builds the
@@ -66,6 +68,15 @@ class StreamConfig:
     # segment's way to the player (muxing, SSE, HLS fetch: ~0.3 s measured here) plus the ~0.1 s a player
     # wants in hand; below that it stalls for a moment every block, above it only adds latency.
     lead_s: float = 0.6
+    # The lead adapts to each viewer whose page reports its stalls (AdaptiveLead): up by lead_up_s after a
+    # block during which the player ran dry although that block had been held back for pacing (a larger lead
+    # would have helped), down by lead_down_s after lead_calm_blocks blocks in a row without a stall. An API
+    # client that reports no stalls keeps lead_s.
+    lead_min_s: float = 0.3
+    lead_max_s: float = 2.0
+    lead_up_s: float = 0.15
+    lead_down_s: float = 0.05
+    lead_calm_blocks: int = 4
     delivery_s: float = 0.4  # a sent segment starts playing about this much later (for the estimate)
     block_margin_s: float = 0.05  # added to a block's measured time when its start is scheduled (pixels, queueing)
     repace_s: float = 0.02  # the engine is told a new start time when the estimate moves by more than this
@@ -83,6 +94,8 @@ class StreamConfig:
     def __post_init__(self) -> None:
         if min(self.max_streams_per_viewer, self.max_streams_per_address, self.decode_slots) < 1:
             raise ValueError("max_streams_per_viewer, max_streams_per_address and decode_slots must be at least 1")
+        if not 0.0 <= self.lead_min_s <= self.lead_max_s or self.lead_calm_blocks < 1:
+            raise ValueError("need 0 <= lead_min_s <= lead_max_s and lead_calm_blocks >= 1")
 
 
 @dataclass(frozen=True)
@@ -135,18 +148,50 @@ class PlaybackClock:
         return max(0.0, self.origin + self.sent_s - lead_s - now)
 
 
+class AdaptiveLead:
+    """The pacing lead of one viewer, as small as its playback allows without the player running dry.
+
+    A stall after a block that was held back for pacing means the lead was too short for this viewer's
+    delivery path (muxing, HLS fetch, a busy browser): the lead grows by `lead_up_s`. A stall after a block
+    that started at once is the model's (it made the block slower than it plays) and a longer lead would
+    not have helped: nothing changes. Each `lead_calm_blocks` blocks in a row without a stall take
+    `lead_down_s` back, so the lead finds the least that plays smoothly and follows the machine's load."""
+
+    def __init__(self, config: StreamConfig) -> None:
+        self.config = config
+        self.lead_s = config.lead_s
+        self._calm = 0
+
+    def after_block(self, stalled: bool, held_back: bool) -> float:
+        cfg = self.config
+        if stalled:
+            self._calm = 0
+            if held_back:
+                self.lead_s = min(max(self.lead_s, cfg.lead_max_s), self.lead_s + cfg.lead_up_s)
+        else:
+            self._calm += 1
+            if self._calm >= cfg.lead_calm_blocks:
+                self._calm = 0
+                self.lead_s = max(min(self.lead_s, cfg.lead_min_s), self.lead_s - cfg.lead_down_s)
+        return self.lead_s
+
+
 # ---------------------------------------------------------------------------------------------
 # Telemetry
 
 
 def telemetry_line(block: Block, frames: int, fps: int, status: dict[str, Any] | None,
-                   stats: dict[str, Any], note: str = "", key_ms: float | None = None) -> str:
-    """key_ms: the estimated key press -> first frame on screen latency of the keys this block applied."""
+                   stats: dict[str, Any], note: str = "", key_ms: float | None = None,
+                   lead_s: float | None = None) -> str:
+    """key_ms: the estimated key press -> first frame on screen latency of the keys this block applied;
+    lead_s: the viewer's adaptive pacing lead (AdaptiveLead), where its page reports stalls."""
     generated_fps = frames / (block.block_ms / 1000.0) if block.block_ms > 0 else float("inf")
     parts = [f"block {block.block_index}", f"{block.block_ms:.0f} ms/block",
              f"{generated_fps:.1f} FPS generated (playback {fps})"]
     if key_ms is not None:
         parts.append(f"key → frame ≈ {key_ms:.0f} ms")
+    if lead_s is not None:
+        parts.append(f"lead {lead_s:.2f} s")
     if block.source is not None:  # a remote server's block: its own figures (chunk_stats)
         remote = block.source
         figures = [f"{name} {remote[key]:.0f} ms" for name, key in (("forward", "forward_ms"), ("total", "total_ms"))
@@ -195,6 +240,7 @@ class _Record:
     viewer: str | None  # the Gradio session that started it: the only one whose verbs it obeys
     recording: Recording
     playhead: tuple[float, float] | None = None  # (when, seconds): the player's last report, if it reports
+    stalls: int | None = None  # how often the player ran dry so far, if its page reports it (a running count)
     # When this app posted each event not yet seen in a block (event id -> time): the key -> frame figure.
     posted: OrderedDict[int, float] = field(default_factory=OrderedDict)
     live: bool = True  # False once this app closed the world or the stream saw it close: frees the claim
@@ -362,6 +408,9 @@ class LiveService:
         just_sent = True  # an update was sent and nothing awaited since: its reader may not have had a turn
         block_s = None  # how long a block takes to make (a running average), once one was made
         paced_at = None  # when the engine was last told to start the next block (None: not since the last block)
+        lead = AdaptiveLead(cfg)
+        held_back = False  # whether the block being made was told to wait at some point (pacing)
+        stalls_seen = None  # the page's stall count at the last block (None: no report yet)
         while True:
             if not just_sent and watch.abandoned():  # nobody reads (a fire-and-forget API call): free the seat
                 await self._call(self._end, record, abandoned)
@@ -373,7 +422,8 @@ class LiveService:
             if record.live and block_s is not None:
                 # Just in time: the next block starts so that it reaches this stream `lead_s` before the player
                 # runs dry, and so applies every key pressed until then (a playhead report may move it).
-                start_in = clock.wait_before_next(now, cfg.lead_s + block_s)
+                start_in = clock.wait_before_next(now, lead.lead_s + block_s)
+                held_back = held_back or start_in > 0.0
                 if paced_at is None or abs(now + start_in - paced_at) > cfg.repace_s:
                     with contextlib.suppress(UnknownSession):  # closed: next_message says why
                         await self._call(self.engine.pace, session_id, start_in)
@@ -404,6 +454,12 @@ class LiveService:
                 yield StreamUpdate(None, waiting_line(message.position, stats), session_id)
                 just_sent = True
                 continue
+            stalls = record.stalls
+            if stalls is not None:  # the page reports when its player runs dry: adapt this viewer's lead
+                if stalls_seen is not None:
+                    lead.after_block(stalls > stalls_seen, held_back)
+                stalls_seen = stalls
+            held_back = False  # the next block's own pacing decides
             made_s = 1.1 * message.block_ms / 1000.0 + cfg.block_margin_s  # the block, its pixels, the scheduling
             block_s = made_s if block_s is None else 0.7 * block_s + 0.3 * made_s
             paced_at = None  # taking it held the next block back until the next `pace`
@@ -419,7 +475,8 @@ class LiveService:
             posted = [t for t in (record.posted.pop(i, None) for i in message.event_ids) if t is not None]
             shows_at = clock.origin + clock.sent_s - frames / self.fps
             key_ms = 1000.0 * (shows_at - min(posted)) if posted else None
-            telemetry = await self._call(self._telemetry, message, frames, session_id, key_ms)
+            telemetry = await self._call(self._telemetry, message, frames, session_id, key_ms,
+                                         lead.lead_s if stalls_seen is not None else None)
             if watch.abandoned():  # sampled after the awaits above, so a reader has had its turn
                 await self._call(self._end, record, abandoned)
                 return
@@ -430,14 +487,15 @@ class LiveService:
         """Encode one block as the next segment of the recording; returns it and its frame count."""
         return record.recording.add(message.pixels, self.fps, message.replay_entry), len(message.pixels)
 
-    def _telemetry(self, message: Block, frames: int, session_id: str, key_ms: float | None = None) -> str:
+    def _telemetry(self, message: Block, frames: int, session_id: str, key_ms: float | None = None,
+                   lead_s: float | None = None) -> str:
         try:
             status = self.engine.session_status(session_id)
         except UnknownSession:
             status = None
         if status is not None and status["status"] == SessionStatus.CLOSED.value:
             status = None  # closed since this block was made: no memory or queue figures to show
-        return telemetry_line(message, frames, self.fps, status, self.engine.stats(), key_ms=key_ms)
+        return telemetry_line(message, frames, self.fps, status, self.engine.stats(), key_ms=key_ms, lead_s=lead_s)
 
     def _background(self, fn, *args) -> None:
         """Run a cleanup without waiting for it (it may wait on the engine's model lock)."""
@@ -532,15 +590,27 @@ class LiveService:
                                   f"({exc.reason or 'it was closed'}); press Start") from None
         return f"queued {len(items)} event(s)"
 
-    def report_playhead(self, session_id: str, playhead_s, viewer: str | None = None) -> None:
-        """The player's currentTime, reported while it plays; the stream paces to it."""
+    def report_playhead(self, session_id: str, playhead_s, viewer: str | None = None, stalls=None) -> None:
+        """The player's currentTime, reported while it plays; the stream paces to it. stalls: how many times
+        the player has run dry on this page so far (a count that only grows), which adapts the lead."""
         try:
             value = float(playhead_s)
         except (TypeError, ValueError, OverflowError):
             raise StreamError(f"playhead must be a number of seconds, got {quote(playhead_s)}") from None
         if not value >= 0.0 or value == float("inf"):
             raise StreamError(f"playhead must be a finite number of seconds >= 0, got {quote(playhead_s)}")
-        self._record(session_id, viewer).playhead = (self.clock(), value)
+        count = None
+        if stalls is not None:
+            try:
+                count = int(stalls)
+            except (TypeError, ValueError, OverflowError):
+                raise StreamError(f"stalls must be a whole number, got {quote(stalls)}") from None
+            if count < 0 or str(count) != str(stalls).strip():
+                raise StreamError(f"stalls must be a whole number >= 0, got {quote(stalls)}")
+        record = self._record(session_id, viewer)
+        record.playhead = (self.clock(), value)
+        if count is not None:
+            record.stalls = count
 
     def stop(self, session_id: str, viewer: str | None = None) -> str:
         record = self._record(session_id, viewer)
