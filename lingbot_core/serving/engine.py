@@ -603,9 +603,9 @@ class Engine:
         new picture pays a condition encode, the largest part of an early block on a CPU. The app passes its
         example pictures, so a world started from one runs at full speed from its first block. `pictures`
         are PIL images fitted to the model's size (as StartRequest.picture: lingbot_core/requests.py). The
-        work goes one block at a time between everything else (`warm_one_condition_block`): a session or a
-        queued job never waits for more than one block's encode, and the streams live in the condition
-        cache within its reserve, accounted like any other.
+        work goes one block at a time while nobody plays (`warm_one_condition_block`): a start or a queued job
+        waits for at most one block's encode, and the streams live in the condition cache within its
+        reserve, accounted like any other.
         """
         def queue() -> None:
             streams = [self.pipeline.shared_condition(picture, self.conditions) for picture in pictures]
@@ -615,12 +615,14 @@ class Engine:
         self._on_model_thread(queue)
 
     def warm_one_condition_block(self) -> bool:
-        """One block of the oldest unfinished prewarm stream, if no session may run and no job waits.
+        """One block of the oldest unfinished prewarm stream, if no session is open and no job waits.
 
-        The idle worker calls this; tests without a worker call it directly. Returns whether it encoded."""
+        Not while anyone plays, even between paced blocks: an encode started just before a paced block would
+        make that block late. The idle worker calls this; tests without a worker call it directly. Returns
+        whether it encoded."""
         with self._step_lock:
             with self._lock:
-                busy = self._stopped or self._jobs or any(self._runnable_locked(live) for live in self._sessions.values())
+                busy = self._stopped or self._jobs or self._sessions
                 while self._prewarm and self._prewarm[0].fixed:
                     self._prewarm.popleft()
                 if busy or not self._prewarm:
