@@ -66,16 +66,18 @@ class Pipeline:
                       **kwargs) -> RolloutState:
         """A new world from a parsed start, trusted as it is. conditions: share the picture's condition
         stream through this cache."""
-        pixels = image_to_tensor(request.picture, self.config.height, self.config.width)  # fitted: no resample
+        pixels = self.pixels(request.picture)
         if conditions is not None:
-            kwargs["condition"] = ConditionStream.reading(self.shared_condition(request.picture, conditions))
+            kwargs["condition"] = ConditionStream.reading(self.shared_condition(pixels, conditions))
         return new_rollout(self.config, self.vae, pixels, self.encode_prompt(request.prompt), request.prompt,
                            request.seed, **kwargs)
 
-    def shared_condition(self, picture, conditions: ConditionCache) -> SharedCondition:
-        """The condition stream that sessions from `picture` (fitted to the model's size, as
-        StartRequest.picture) share through `conditions`."""
-        pixels = image_to_tensor(picture, self.config.height, self.config.width)
+    def pixels(self, picture) -> torch.Tensor:
+        """[1, 3, H, W] in [-1, 1] of a picture already fitted to the model's size (StartRequest.picture)."""
+        return image_to_tensor(picture, self.config.height, self.config.width)  # fitted: no resample
+
+    def shared_condition(self, pixels: torch.Tensor, conditions: ConditionCache) -> SharedCondition:
+        """The condition stream that sessions from these start pixels (`pixels`) share through `conditions`."""
         return conditions.stream_for(condition_pixels(self.vae, pixels))
 
     def encode_next_condition_block(self, shared: SharedCondition) -> None:

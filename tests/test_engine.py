@@ -266,7 +266,7 @@ def test_prewarm_encodes_a_picture_while_idle_and_its_sessions_then_encode_nothi
         assert engine.run_once() == other  # its block waits for its consumer: the model is idle
         assert not engine.warm_one_condition_block()
         engine.close(other)
-        stream = pipe.shared_condition(picture, engine.conditions)  # the entry the prewarm fills
+        stream = pipe.shared_condition(pipe.pixels(picture), engine.conditions)  # the entry the prewarm fills
         warmed = 0
         while engine.warm_one_condition_block():
             warmed += 1
@@ -293,7 +293,7 @@ def test_the_worker_prewarms_on_its_own_then_serves_a_start(pipe, image):
     try:
         picture = _request(image, PROMPT, 0).picture
         engine.prewarm([picture])
-        stream = pipe.shared_condition(picture, engine.conditions)  # the entry the prewarm fills
+        stream = pipe.shared_condition(pipe.pixels(picture), engine.conditions)  # the entry the prewarm fills
         deadline = time.monotonic() + 60
         while not stream.fixed and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -608,7 +608,8 @@ class Engine:
         reserve, accounted like any other.
         """
         def queue() -> None:
-            streams = [self.pipeline.shared_condition(picture, self.conditions) for picture in pictures]
+            streams = [self.pipeline.shared_condition(self.pipeline.pixels(picture), self.conditions)
+                       for picture in pictures]
             with self._lock:
                 self._prewarm.extend(stream for stream in streams if not stream.fixed)
                 self._changed.notify_all()

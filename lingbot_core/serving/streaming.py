@@ -167,6 +167,7 @@ class AdaptiveLead:
         if stalled:
             self._calm = 0
             if held_back:
+                # Never above lead_max_s, nor below where it started (a configured lead_s may exceed the bound).
                 self.lead_s = min(max(self.lead_s, cfg.lead_max_s), self.lead_s + cfg.lead_up_s)
         else:
             self._calm += 1
