@@ -90,6 +90,21 @@ def first_block_with(blocks: list, key: str, start: int) -> int | None:
 SHOWN_AT = "(t) => { const f = window.__probe.frames.find((x) => x[1] >= t); return f ? f[0] : null; }"
 
 
+def freezes(frames: list, fps: int) -> tuple[int, float]:
+    """(count, seconds) of the picture standing still during playback: gaps between consecutive presented
+    frames longer than two frame intervals, each counted beyond its one interval. This is what a viewer
+    sees of a stall (the page's `waiting` events also count waits too short to notice); frames the
+    browser skipped under load show here too, as the viewer would see them."""
+    interval = 1.0 / fps
+    count, frozen = 0, 0.0
+    for (shown_a, media_a), (shown_b, media_b) in zip(frames, frames[1:]):
+        gap = (shown_b - shown_a) / 1000.0
+        if media_b > media_a and gap > 2 * interval:
+            count += 1
+            frozen += gap - interval
+    return count, frozen
+
+
 def start_picture(args, config) -> str:
     """--picture, else the page's first example: what most viewers press Start on (a world render for the
     trained embedded model, whose condition stream the app encodes while idle; a photo otherwise)."""
@@ -155,6 +170,7 @@ def run(args) -> dict:
             results["ahead_s"] = statistics.median(page.evaluate("window.__probe.ahead.slice(-200)"))
             results["stalls"] = page.evaluate("window.__probe.stalls")
             results["played_s"] = page.evaluate("window.__probe.frames.at(-1)[1]")
+            results["freezes"] = freezes(page.evaluate("window.__probe.frames"), config.fps)
             if args.shot:
                 page.screenshot(path=args.shot, full_page=True)
             browser.close()
@@ -195,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"player buffer ahead of the playhead: median {r['ahead_s'] * 1000:.0f} ms; the player waited for data "
           f"{r['stalls']} times in {r['played_s']:.1f} s of video ({60 * r['stalls'] / r['played_s']:.1f} stalls "
           "per minute)")
+    count, frozen = r["freezes"]
+    print(f"picture stood still (presented-frame gaps over 2 frame intervals): {count} times, {frozen:.1f} s in "
+          f"{r['played_s']:.1f} s of video ({60 * count / r['played_s']:.1f} a minute, {100 * frozen / r['played_s']:.1f}% "
+          "of the time)")
     return 0
 
 

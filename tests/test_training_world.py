@@ -86,3 +86,65 @@ def test_motion_weights_count_where_the_true_latents_change():
     assert weights[0, 0, 2, 0, 0].item() == pytest.approx(49.0)
     assert weights.sum().item() == pytest.approx(11 + 49.0)
     assert torch.equal(motion_weights(x0, 0.0), torch.ones_like(weights))  # 0: plain mean squared error
+
+
+def test_a_mirrored_clip_has_the_mirrored_keys_and_the_mirrored_camera():
+    """--mirror trains on each clip flipped left to right under A<->D, J<->L. That is an exact clip only
+    if the camera path of the swapped keys is the mirror image of the original's: the Plücker map of
+    the mirrored keys must equal the original's flipped along x, with the x components of the ray
+    origin and direction negated."""
+    from training.data import actions_to_array, array_to_actions, mirror_actions
+    from training.world import block_pluckers
+
+    script = [frozenset(), frozenset(), frozenset(),
+              frozenset("j"), frozenset("jw"), frozenset("l"),
+              frozenset("a"), frozenset("dk"), frozenset("wi"),
+              frozenset("lw"), frozenset("s"), frozenset()]
+    mirrored = array_to_actions(mirror_actions(actions_to_array(script)))
+    swap = str.maketrans("adjl", "dalj")
+    assert mirrored == tuple(frozenset(k.translate(swap) for k in keys) for keys in script)
+    array = actions_to_array(script)
+    assert (mirror_actions(mirror_actions(array)) == array).all()  # a mirror of a mirror is the clip
+
+    config = tiny_config()
+    original = block_pluckers(config, script, blocks=4)
+    image = block_pluckers(config, mirrored, blocks=4)
+    expected = original.flip(-1)
+    expected[:, [0, 3]] *= -1  # origin x, direction x
+    torch.testing.assert_close(image, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(image, original, atol=1e-3)  # the turns make the two paths differ
+
+
+def test_mirrored_clips_encode_as_their_flipped_frames_with_mirrored_keys():
+    """encode_clips(mirrored=True) equals the plain encode of clips whose frames are flipped and whose
+    keys are mirrored (the latents, the start frame's condition stream and the key array)."""
+    import numpy as np
+
+    from lingbot_core.loading import build_seeded_parts
+    from training.data import mirror_actions
+    from training.world import encode_clips
+
+    config = tiny_config()
+    vae = build_seeded_parts(config, 0).vae
+    frames = config.pixel_frames_for_blocks(2)
+    rng = np.random.default_rng(0)
+
+    class Clips:
+        def __init__(self, flipped: bool) -> None:
+            self.videos = [v[:, :, ::-1].copy() if flipped else v for v in videos]
+            self.items = [{"actions": mirror_actions(a) if flipped else a} for a in actions]
+
+        def __len__(self) -> int:
+            return len(self.videos)
+
+        def video(self, index: int, start: int, count: int) -> torch.Tensor:
+            return torch.from_numpy(self.videos[index][start:start + count]).permute(3, 0, 1, 2).float() / 127.5 - 1
+
+    videos = [rng.integers(0, 256, (frames, config.height, config.width, 3), dtype=np.uint8) for _ in range(3)]
+    actions = [rng.integers(0, 2, (6, 8), dtype=np.uint8) for _ in range(3)]
+    mirrored = encode_clips(vae, config, Clips(flipped=False), 2, batch=2, mirrored=True)
+    reference = encode_clips(vae, config, Clips(flipped=True), 2, batch=2)
+    for key in ("latents", "conditions", "actions"):
+        torch.testing.assert_close(mirrored[key], reference[key], rtol=0, atol=0)
+    plain = encode_clips(vae, config, Clips(flipped=False), 2, batch=2)
+    assert not torch.equal(plain["latents"], mirrored["latents"])

@@ -108,6 +108,18 @@ def array_to_actions(array: np.ndarray) -> tuple[frozenset[str], ...]:
     return tuple(frozenset(k for k, on in zip(KEY_ORDER, row) if on) for row in np.asarray(array))
 
 
+# A clip seen in a mirror (its frames flipped left to right) is the clip of the mirrored world under the
+# mirrored keys: turning and strafing change sides, walking and pitch do not. The frame's principal point
+# is its centre, so the flip maps the pixel grid onto itself.
+_MIRRORED_KEY = {"a": "d", "d": "a", "j": "l", "l": "j"}
+MIRROR_COLUMNS = [KEY_ORDER.index(_MIRRORED_KEY.get(k, k)) for k in KEY_ORDER]
+
+
+def mirror_actions(array: np.ndarray) -> np.ndarray:
+    """[L, 8] key array of a clip -> the key array of its mirror image (A<->D, J<->L)."""
+    return np.asarray(array)[..., MIRROR_COLUMNS]
+
+
 class ClipDataset(torch.utils.data.Dataset):
     """Map-style dataset of clips `start .. start + length - 1` of `data_seed`, rendered on demand."""
 

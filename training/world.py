@@ -2,7 +2,7 @@
 
     python -m training.world --vae DIR/vae --clips-dir DIR --stored-clips N --steps S [--blocks 6] [--batch 2]
                              [--lr 3e-4] [--rollout-from STEP] [--rollout-share 0.5] [--seed 0] [--run-dir DIR]
-                             [--lr-decay-from STEP] [--lr-final 0.1] [--threads 2]
+                             [--lr-decay-from STEP] [--lr-final 0.1] [--motion-weight W] [--mirror] [--threads 2]
     python -m training.world --run-dir DIR --export OUT   # OUT/transformer/: fp16 safetensors, diffusers layout
 
 It trains exactly the structure inference runs (lingbot_core/rollout.py `step_block`):
@@ -55,12 +55,13 @@ from lingbot_core.model.attention import context_frames
 from lingbot_core.model.cpu_kernels import use_fast_cpu_kernels
 from lingbot_core.model.transformer import CausalLingBotWorldTransformer3DModel
 from lingbot_core.model.vae_stream import check_streamable, condition_mask
-from training.data import StoredClips, array_to_actions
+from training.data import StoredClips, array_to_actions, mirror_actions
 from training.runs import save_atomically, trim_log
 
 CHECKPOINT = "last.pt"
 LOG = "log.jsonl"
 LATENTS = "latents.pt"
+MIRRORED_LATENTS = "latents_mirrored.pt"
 CHECKPOINT_FORMAT = 1
 
 PROMPTS = (
@@ -94,6 +95,10 @@ class WorldTrainConfig:
     # texture move, a small share of a frame; weighting it up makes the camera's part of the error count
     # (0: plain mean squared error).
     motion_weight: float = 0.0
+    # Also train on every clip's mirror image (frames flipped left to right, A<->D and J<->L swapped),
+    # an exact clip of the mirrored world: twice the data, and every world turned in both directions, so
+    # a turn's direction can only come from the keys.
+    mirror: bool = False
 
     def __post_init__(self) -> None:
         if self.blocks < 1 or self.batch < 1 or self.stored_clips < 1:
@@ -144,20 +149,23 @@ def _normalised_mean(vae: AutoencoderKLWan, video: torch.Tensor) -> torch.Tensor
 
 @torch.no_grad()
 def encode_clips(vae: AutoencoderKLWan, config: ModelConfig, stored: StoredClips, blocks: int,
-                 batch: int = 8) -> dict[str, torch.Tensor]:
+                 batch: int = 8, mirrored: bool = False) -> dict[str, torch.Tensor]:
     """Per clip: latents [z, F, h, w] of its first `blocks` blocks, and the condition stream of its
     start frame for those blocks (the one-shot encode of [start, zeros...], which the streamed
-    condition encoder equals)."""
+    condition encoder equals). `mirrored`: of the clips' mirror images, with their mirrored keys."""
     frames = config.pixel_frames_for_blocks(blocks)
     latents, conditions = [], []
-    for first in tqdm(range(0, len(stored), batch), desc="encode", unit="batch"):
+    for first in tqdm(range(0, len(stored), batch), desc="encode mirrored" if mirrored else "encode", unit="batch"):
         videos = torch.stack([stored.video(i, 0, frames) for i in range(first, min(first + batch, len(stored)))])
+        if mirrored:
+            videos = videos.flip(-1)  # the VAE is not mirror-symmetric, so the mirror image is encoded itself
         latents.append(_normalised_mean(vae, videos))
         condition_video = torch.zeros_like(videos)
         condition_video[:, :, 0] = videos[:, :, 0]
         conditions.append(_normalised_mean(vae, condition_video))
-    actions = torch.stack([torch.from_numpy(stored.items[i]["actions"][: blocks * 3].astype(np.uint8))
-                           for i in range(len(stored))])
+    per_block = config.transformer.num_frames_per_block
+    actions = [stored.items[i]["actions"][: blocks * per_block].astype(np.uint8) for i in range(len(stored))]
+    actions = torch.stack([torch.from_numpy(mirror_actions(a) if mirrored else a) for a in actions])
     return {"latents": torch.cat(latents), "conditions": torch.cat(conditions), "actions": actions}
 
 
@@ -327,12 +335,16 @@ class WorldData:
     """Latents, conditions, Plücker maps and masks of the stored clips, in memory."""
 
     def __init__(self, tc: WorldTrainConfig, config: ModelConfig, vae: AutoencoderKLWan, run_dir: Path) -> None:
-        path = run_dir / LATENTS
-        if path.exists():
-            encoded = torch.load(path, weights_only=True)
-        else:
-            encoded = encode_clips(vae, config, StoredClips(tc.clips_dir, tc.stored_clips), tc.blocks)
-            save_atomically(encoded, path)
+        stored = None
+        parts = []
+        for name, mirrored in ((LATENTS, False), (MIRRORED_LATENTS, True))[: 2 if tc.mirror else 1]:
+            path = run_dir / name
+            if not path.exists():
+                stored = stored or StoredClips(tc.clips_dir, tc.stored_clips)
+                save_atomically(encode_clips(vae, config, stored, tc.blocks, mirrored=mirrored), path)
+            parts.append(torch.load(path, weights_only=True))
+        # Clips 0 .. N-1 are the stored clips, N .. 2N-1 their mirror images (with --mirror).
+        encoded = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
         self.latents, self.conditions = encoded["latents"], encoded["conditions"]
         self.plucker = torch.stack([block_pluckers(config, array_to_actions(a.numpy()), tc.blocks)
                                     for a in tqdm(encoded["actions"], desc="cameras", unit="clip")])
@@ -373,7 +385,8 @@ def load_checkpoint(run_dir: Path, tc: WorldTrainConfig | None = None) -> tuple[
     saved = WorldTrainConfig(**state["train_config"])
     # May change on resume: the curriculum, the loss weighting and the schedule's end are decided as
     # the run goes.
-    ignore = {"rollout_from", "rollout_share", "lr_decay_from", "lr_final", "motion_weight"}
+    # The mirror images add data beside the stored clips, so a run may take them up on resume.
+    ignore = {"rollout_from", "rollout_share", "lr_decay_from", "lr_final", "motion_weight", "mirror"}
     if tc is not None:
         diff = {k: (v, getattr(tc, k)) for k, v in dataclasses.asdict(saved).items()
                 if k not in ignore and getattr(tc, k) != v}
@@ -474,6 +487,8 @@ def main() -> None:
     parser.add_argument("--lr-final", type=float, default=d.lr_final)
     parser.add_argument("--motion-weight", type=float, default=d.motion_weight,
                         help="extra loss weight where the true latents change between frames (0: plain MSE)")
+    parser.add_argument("--mirror", action="store_true",
+                        help="also train on each clip's mirror image (A<->D, J<->L swapped)")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--threads", type=int, default=2)
@@ -492,7 +507,7 @@ def main() -> None:
                               weight_decay=args.weight_decay, seed=args.seed, data_seed=args.data_seed,
                               rollout_from=args.rollout_from, rollout_share=args.rollout_share,
                               lr_decay_from=args.lr_decay_from, lr_final=args.lr_final,
-                              motion_weight=args.motion_weight)
+                              motion_weight=args.motion_weight, mirror=args.mirror)
         print(f"run {run_dir}")
         train(tc, run_dir, args.steps, args.checkpoint_every)
     except (ValueError, FloatingPointError) as error:
