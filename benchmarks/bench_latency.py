@@ -40,7 +40,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
 
 # Logs every presented frame (display time, media time), every keydown and the Start click, in page time.
 PROBE_JS = """
-window.__probe = {frames: [], keys: {}, start: null, ahead: [], stalls: 0};
+window.__probe = {frames: [], keys: {}, start: null, ahead: [], stalls: []};
 document.addEventListener("keydown", (e) => { if (!e.repeat) window.__probe.keys[e.key] = performance.now(); }, true);
 document.addEventListener("click", (e) => {
   const b = e.target.closest && e.target.closest("button");
@@ -51,7 +51,7 @@ setInterval(() => {
   if (!v) return;
   if (!v.__probed) {
     v.__probed = true;
-    v.addEventListener("waiting", () => { window.__probe.stalls += 1; });
+    v.addEventListener("waiting", () => { window.__probe.stalls.push(performance.now()); });
     const onFrame = (now, meta) => {
       window.__probe.frames.push([meta.expectedDisplayTime || now, meta.mediaTime]);
       v.requestVideoFrameCallback(onFrame);
@@ -168,7 +168,8 @@ def run(args) -> dict:
                     results["lead_s"] = float(match.group(1))  # the stream's adaptive lead (last seen)
                 time.sleep(0.3)
             results["ahead_s"] = statistics.median(page.evaluate("window.__probe.ahead.slice(-200)"))
-            results["stalls"] = page.evaluate("window.__probe.stalls")
+            # Waits once the picture is playing: the wait for the first segment is Start -> first frame.
+            results["stalls"] = page.evaluate("window.__probe.stalls.filter((t) => t > window.__probe.frames[0][0]).length")
             results["played_s"] = page.evaluate("window.__probe.frames.at(-1)[1]")
             results["freezes"] = freezes(page.evaluate("window.__probe.frames"), config.fps)
             if args.shot:

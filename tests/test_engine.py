@@ -40,7 +40,7 @@ from lingbot_core.serving.engine import (
     UnknownSession,
     Waiting,
 )
-from lingbot_core.serving.memory import held_bytes
+from lingbot_core.held_bytes import held_bytes
 from lingbot_core.serving.session import Replay, Session
 from lingbot_core.video import count_frames, frames_to_uint8
 

@@ -35,7 +35,8 @@ from lingbot_core.serving.session import (
     SessionClosed,
     SessionStatus,
 )
-from lingbot_core.serving.memory import held_bytes, measure_footprint
+from lingbot_core.held_bytes import held_bytes
+from lingbot_core.serving.memory import measure_footprint
 
 CONFIG = dataclasses.replace(tiny_config(rope_max_seq_len=8, sink_size=3, sliding_window_num_frames=9),
                              vae=dict(WAN21_VAE, base_dim=4, num_res_blocks=1))

@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,7 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
 
 from lingbot_core.config import ModelConfig
 from lingbot_core.model.cpu_kernels import use_fast_cpu_kernels
+from lingbot_core.held_bytes import held_bytes
 
 # `AutoencoderKLWan._encode` slices pixel frames into chunks of this many frames (a literal in
 # diffusers), so only a VAE whose temporal factor equals it encodes one latent frame per chunk.
@@ -142,20 +143,6 @@ def _latent_stats(vae: AutoencoderKLWan, like: torch.Tensor) -> tuple[torch.Tens
     return mean, std
 
 
-def _held_bytes(tensors: Iterable[Any]) -> int:
-    """Bytes of the storages behind the tensors (views count their whole storage, shared storage once)."""
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue  # None / "Rep" slots hold nothing
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
-
-
 def _caches_equal(a: FeatureCache, b: FeatureCache) -> bool:
     """Exact equality: same None / "Rep" structure and bit-equal tensors (shapes included)."""
     if len(a) != len(b):
@@ -213,7 +200,7 @@ class ConditionStream:
 
     def nbytes(self) -> int:
         """Bytes this state holds privately; a shared stream's blocks are counted once, by its cache."""
-        return _held_bytes([self.image, self.condition, *(self.history or [])])
+        return held_bytes([self.image, self.condition, *(self.history or [])])
 
 
 class SharedCondition:
@@ -263,7 +250,7 @@ class SharedCondition:
 
     def _count_bytes(self) -> int:
         frontier = self._frontier
-        return _held_bytes([*self._blocks, *([frontier.image, frontier.condition, *(frontier.history or [])]
+        return held_bytes([*self._blocks, *([frontier.image, frontier.condition, *(frontier.history or [])]
                                              if frontier is not None else [])])
 
 
@@ -341,7 +328,7 @@ class DecoderStream:
         return self.latent_frames_decoded > 0
 
     def nbytes(self) -> int:
-        return _held_bytes(self.cache or [])
+        return held_bytes(self.cache or [])
 
 
 def decode_latent_frame(vae: AutoencoderKLWan, x: torch.Tensor, cache: FeatureCache,

@@ -63,7 +63,8 @@ from ..requests import StartRequest
 from ..startup import StartupLog, maybe_stage
 from ..video import frames_to_uint8
 from ..pages import PageAllocator
-from .memory import held_bytes, plan_memory
+from ..held_bytes import held_bytes
+from .memory import plan_memory
 from .session import Replay, Session, SessionStatus
 
 log = logging.getLogger(__name__)

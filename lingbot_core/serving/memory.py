@@ -6,60 +6,23 @@ everything the engine admits by: the bytes a session holds between blocks at its
 blocks its consumer has not taken (`session_bytes`), the bytes the one running block adds
 (`block_reserve`), the reserve for shared condition streams, the budget, how many sessions fit
 (`capacity`) and the page pool's size (`pool_pages`). Admission and pool sizing read the same plan, so an
-admitted session never runs out of pages. `held_bytes` is the one way bytes are counted, for the probe,
-for a live session's `nbytes` and for the tests that check accounted == held.
+admitted session never runs out of pages. `held_bytes` (lingbot_core/held_bytes.py) is the one way bytes
+are counted, for the probe, for a live session's and a VAE stream's `nbytes` and for the tests that check
+accounted == held.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
 import torch
 
+from ..held_bytes import held_bytes
 from ..kv_cache import BlockKV, KVPagePool
 from ..model import vae_stream
 from ..video import frames_to_uint8
 
-
-
-def held_bytes(value: Any, seen: set[int] | None = None) -> int:
-    """Bytes of the tensor storages and NumPy buffers reachable from `value` (containers, dataclasses,
-    objects); each buffer once."""
-    seen = set() if seen is None else seen
-    total = 0
-    stack = [value]
-    visited: set[int] = set()
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        elif isinstance(item, np.ndarray):  # e.g. a block's uint8 pixels; may share memory with a tensor
-            root = item
-            while isinstance(root.base, np.ndarray):
-                root = root.base
-            pointer = root.__array_interface__["data"][0]
-            if pointer not in seen:
-                seen.add(pointer)
-                total += root.nbytes
-        elif isinstance(item, (str, bytes, int, float, bool, type(None), type, torch.nn.Module)):
-            continue  # scalars hold no tensors; classes and modules (weights) are not session state
-        elif id(item) in visited:
-            continue
-        else:
-            visited.add(id(item))
-            if isinstance(item, dict):
-                stack.extend(item.values())
-            elif isinstance(item, (list, tuple, set, frozenset)):
-                stack.extend(item)
-            elif hasattr(item, "__dict__"):
-                stack.extend(vars(item).values())
-    return total
 
 
 @dataclass(frozen=True)
