@@ -166,8 +166,6 @@ def test_frame_statistics_see_a_washed_out_picture(world):
 
 
 @pytest.mark.skipif(not EMBEDDED.trained, reason="the embedded preset's weights are not trained yet")
-@pytest.mark.xfail(strict=True, reason="the shipped checkpoint is undertrained and does not follow the keys yet "
-                   "(README: The procedural world and training); strict, so a checkpoint that passes must drop this")
 def test_the_shipped_model_turns_with_the_keys():
     from lingbot_core.pipeline import load_pipeline
     from lingbot_core.rollout import BlockControl
