@@ -148,3 +148,34 @@ def test_mirrored_clips_encode_as_their_flipped_frames_with_mirrored_keys():
         torch.testing.assert_close(mirrored[key], reference[key], rtol=0, atol=0)
     plain = encode_clips(vae, config, Clips(flipped=False), 2, batch=2)
     assert not torch.equal(plain["latents"], mirrored["latents"])
+
+
+def test_init_from_loads_the_exported_weights_and_refuses_a_model_of_another_shape(tmp_path):
+    """--init-from starts a run from an exported transformer folder: the run's model then holds the
+    export's (fp16) weights exactly; a folder of another size is refused by name, not half loaded."""
+    import dataclasses
+    from safetensors.torch import save_file
+
+    from training.world import load_exported_weights
+
+    config = tiny_config()
+    source = CausalLingBotWorldTransformer3DModel(config.transformer)
+    source.init_weights(torch.Generator().manual_seed(1))
+    folder = tmp_path / "model" / "transformer"
+    folder.mkdir(parents=True)
+    save_file({k: v.to(torch.float16).contiguous() for k, v in source.state_dict().items()},
+              folder / "diffusion_pytorch_model.safetensors")
+    target = CausalLingBotWorldTransformer3DModel(config.transformer)
+    target.init_weights(torch.Generator().manual_seed(2))
+    load_exported_weights(target, tmp_path / "model")
+    for name, value in source.state_dict().items():
+        torch.testing.assert_close(target.state_dict()[name], value.to(torch.float16).to(value.dtype), rtol=0, atol=0)
+
+    wider = dataclasses.replace(config.transformer, ffn_dim=config.transformer.ffn_dim * 2)
+    other = CausalLingBotWorldTransformer3DModel(wider)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ValueError, match="do not fit"):
+        load_exported_weights(other, tmp_path / "model")
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+    with pytest.raises(ValueError, match="does not exist"):
+        load_exported_weights(target, tmp_path / "nowhere")

@@ -3,6 +3,7 @@
     python -m training.world --vae DIR/vae --clips-dir DIR --stored-clips N --steps S [--blocks 6] [--batch 2]
                              [--lr 3e-4] [--rollout-from STEP] [--rollout-share 0.5] [--seed 0] [--run-dir DIR]
                              [--lr-decay-from STEP] [--lr-final 0.1] [--motion-weight W] [--mirror] [--threads 2]
+                             [--init-from MODEL_DIR]
     python -m training.world --run-dir DIR --export OUT   # OUT/transformer/: fp16 safetensors, diffusers layout
 
 It trains exactly the structure inference runs (lingbot_core/rollout.py `step_block`):
@@ -99,6 +100,10 @@ class WorldTrainConfig:
     # an exact clip of the mirrored world: twice the data, and every world turned in both directions, so
     # a turn's direction can only come from the keys.
     mirror: bool = False
+    # Start from the weights of an exported transformer (a model folder holding transformer/, such as
+    # lingbot_core/embedded_model) instead of seeded ones, with a fresh optimizer. Lets a run continue
+    # from the shipped weights on a machine that has no earlier run folder ("": seeded start).
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         if self.blocks < 1 or self.batch < 1 or self.stored_clips < 1:
@@ -371,6 +376,24 @@ def new_model(config: ModelConfig, seed: int) -> CausalLingBotWorldTransformer3D
     return model.train()
 
 
+def load_exported_weights(model: CausalLingBotWorldTransformer3DModel, folder: str | Path) -> None:
+    """Copy FOLDER/transformer/'s weights (fp16 safetensors, as export_transformer writes them) into the
+    fp32 model; every parameter and buffer must be there with its shape."""
+    from safetensors.torch import load_file
+
+    path = Path(folder).expanduser() / "transformer" / "diffusion_pytorch_model.safetensors"
+    if not path.is_file():
+        raise ValueError(f"--init-from {folder}: {path} does not exist (give a folder holding transformer/)")
+    weights = load_file(str(path))
+    own = model.state_dict()
+    missing, extra = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    wrong = [k for k in own if k in weights and weights[k].shape != own[k].shape]
+    if missing or extra or wrong:
+        raise ValueError(f"--init-from {folder}: the weights do not fit the embedded preset "
+                         f"(missing {missing[:3]}, unexpected {extra[:3]}, other shape {wrong[:3]})")
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.items()})
+
+
 def save_checkpoint(run_dir: Path, tc: WorldTrainConfig, step: int, model, optimizer, generator) -> None:
     state = {"format": CHECKPOINT_FORMAT, "train_config": dataclasses.asdict(tc), "step": step,
              "model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": generator.get_state()}
@@ -404,6 +427,8 @@ def train(tc: WorldTrainConfig, run_dir: Path, steps: int, checkpoint_every: int
     data = WorldData(tc, config, vae, run_dir)
     texts = text_states(config)
     model = new_model(config, tc.seed)
+    if tc.init_from:
+        load_exported_weights(model, tc.init_from)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.99))
     generator = torch.Generator().manual_seed(tc.seed)
     step = 0
@@ -489,6 +514,8 @@ def main() -> None:
                         help="extra loss weight where the true latents change between frames (0: plain MSE)")
     parser.add_argument("--mirror", action="store_true",
                         help="also train on each clip's mirror image (A<->D, J<->L swapped)")
+    parser.add_argument("--init-from", default="", metavar="MODEL_DIR",
+                        help="start from MODEL_DIR/transformer/'s weights (an exported model folder) with a fresh optimizer")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--threads", type=int, default=2)
@@ -507,7 +534,8 @@ def main() -> None:
                               weight_decay=args.weight_decay, seed=args.seed, data_seed=args.data_seed,
                               rollout_from=args.rollout_from, rollout_share=args.rollout_share,
                               lr_decay_from=args.lr_decay_from, lr_final=args.lr_final,
-                              motion_weight=args.motion_weight, mirror=args.mirror)
+                              motion_weight=args.motion_weight, mirror=args.mirror,
+                              init_from=str(Path(args.init_from).expanduser()) if args.init_from else "")
         print(f"run {run_dir}")
         train(tc, run_dir, args.steps, args.checkpoint_every)
     except (ValueError, FloatingPointError) as error:
