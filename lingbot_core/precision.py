@@ -119,8 +119,16 @@ def _best_of(work: Callable[[], None], repeats: int) -> float:
     return best
 
 
-def probe_kernels(parts, dtype: torch.dtype, repeats: int = 1) -> float:
-    """Seconds for one transformer block forward and one VAE decoder step of `parts`' model, run in `dtype`.
+# The probe's work is about 15-20 ms a precision on the embedded model, and a single timed run of it is
+# within noise of the other precision: on a 2-core AMX host one run chose fp32 (bf16 21.6 ms, fp32 21.0),
+# while the best of 5 gave bf16 14.2 / fp32 16.8 ms in each of two probes (a whole block: bf16 about 25%
+# faster). Five runs cost about 0.2 s of start-up.
+PROBE_REPEATS = 5
+
+
+def probe_kernels(parts, dtype: torch.dtype, repeats: int = PROBE_REPEATS) -> float:
+    """Seconds for one transformer block forward and one VAE decoder step of `parts`' model, run in `dtype`
+    (the best of `repeats` timed runs).
 
     Copies of one block and of the decoder are cast to `dtype`, so the loaded weights stay as they are.
     The inputs have the shapes of one real block (all its tokens, the text length, the camera stream);
