@@ -50,7 +50,7 @@ from diffusers import AutoencoderKLWan
 from tqdm import tqdm
 
 from lingbot_core.config import EMBEDDED, ModelConfig
-from lingbot_core.loading import build_seeded_parts
+from lingbot_core.loading import CheckpointError, build_seeded_parts, load_transformer_shards, plan_transformer_shards
 from lingbot_core.model import camera
 from lingbot_core.model.attention import context_frames
 from lingbot_core.model.cpu_kernels import use_fast_cpu_kernels
@@ -377,21 +377,17 @@ def new_model(config: ModelConfig, seed: int) -> CausalLingBotWorldTransformer3D
 
 
 def load_exported_weights(model: CausalLingBotWorldTransformer3DModel, folder: str | Path) -> None:
-    """Copy FOLDER/transformer/'s weights (fp16 safetensors, as export_transformer writes them) into the
-    fp32 model; every parameter and buffer must be there with its shape."""
-    from safetensors.torch import load_file
-
-    path = Path(folder).expanduser() / "transformer" / "diffusion_pytorch_model.safetensors"
-    if not path.is_file():
-        raise ValueError(f"--init-from {folder}: {path} does not exist (give a folder holding transformer/)")
-    weights = load_file(str(path))
-    own = model.state_dict()
-    missing, extra = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
-    wrong = [k for k in own if k in weights and weights[k].shape != own[k].shape]
-    if missing or extra or wrong:
-        raise ValueError(f"--init-from {folder}: the weights do not fit the embedded preset "
-                         f"(missing {missing[:3]}, unexpected {extra[:3]}, other shape {wrong[:3]})")
-    model.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.items()})
+    """Load FOLDER/transformer/ (as export_transformer writes it) into the fp32 model through the
+    checkpoint loader's own plan and reader: every name and shape is checked before any weight is read."""
+    subfolder = Path(folder).expanduser() / "transformer"
+    if not subfolder.is_dir():
+        raise ValueError(f"--init-from {folder}: {subfolder} does not exist (give a folder holding transformer/)")
+    try:
+        plan = plan_transformer_shards(subfolder, model)
+    except CheckpointError as error:
+        raise ValueError(f"--init-from {folder}: the weights do not fit the embedded preset: {error}") from error
+    load_transformer_shards(model, plan, dtype=torch.float32, device="cpu")
+    model.train().requires_grad_(True)  # the loader leaves an inference module
 
 
 def save_checkpoint(run_dir: Path, tc: WorldTrainConfig, step: int, model, optimizer, generator) -> None:
