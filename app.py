@@ -697,7 +697,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-sessions", type=int,
                         help="cap on concurrent worlds on top of the memory budget (default: 2 on a CPU, where "
                              "compute runs out long before memory, else none)")
-    parser.add_argument("--memory-budget-gib", type=float, help="memory for sessions (default: half of what is free)")
+    parser.add_argument("--memory-budget-gib", type=float,
+                        help="memory for sessions (default: 0.9 of what a GPU has free, half of a CPU host's)")
     parser.add_argument("--idle-ttl", type=float, default=120.0, help="seconds without input before a world closes")
     parser.add_argument("--offline-max-blocks", type=int, default=64)
     parser.add_argument("--host", help="default $GRADIO_SERVER_NAME or 127.0.0.1")

@@ -144,7 +144,8 @@ class _BlockDispatch:
 def warm_blocks(num_frames_per_block: int, context_lengths: Callable[[int], int]) -> int:
     """Blocks a warm-up rollout runs: until the context length (frames before the block that it attends
     to, i.e. the window's validity mask) stops changing, and at least two (the decoder cache fills during
-    block 0). The window's shape is fixed, so this checks one graph on every mask pattern a rollout meets."""
+    block 0). The window's shape is fixed, so this meets both graphs (masked while the window fills, unmasked
+    once it is full) and every mask pattern a rollout meets."""
     block = 0
     while context_lengths((block + 1) * num_frames_per_block) != context_lengths(block * num_frames_per_block):
         block += 1

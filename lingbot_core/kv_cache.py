@@ -7,7 +7,8 @@ the pool as soon as the block that made them obsolete commits.
 A block's context is gathered once, when its `BlockKV` is made, into a fixed window of
 sink_size + recent_frames frame slots for every layer, with a validity mask over the slots no frame
 fills yet (the first blocks). Every forward of the block (four denoise steps and the commit) reads that
-one buffer, and its shape never changes over a rollout, so a compiled forward has one graph.
+one buffer, and its shape never changes over a rollout, so a compiled forward has two graphs: masked while
+the window fills, unmasked once it is full.
 
 The transformer sees a `BlockKV` through `context(layer)` and `context_valid` (the window and its mask)
 and `store(layer, k, v)`, which writes this block's K/V into pages reserved for it. Those pages join the
@@ -92,9 +93,10 @@ class BlockKV:
     k, v: [layers, 1, context_slots * tokens, H, D] (context_slots = sink_size + recent_frames). Slot i holds
     the block's i-th context frame (sink first, then recent); the slots past its context are zeros, and
     `context_valid` (bool [context_slots * tokens]) is False on their tokens so attention gives them no weight.
+    Once the context fills every slot, `context_valid` is None: every token counts.
     """
 
-    def __init__(self, pool: KVPagePool, k: torch.Tensor, v: torch.Tensor, context_valid: torch.Tensor,
+    def __init__(self, pool: KVPagePool, k: torch.Tensor, v: torch.Tensor, context_valid: torch.Tensor | None,
                  write_pages: list[int] | None) -> None:
         self.pool, self.k, self.v, self.context_valid = pool, k, v, context_valid
         self.writes = write_pages is not None
@@ -109,12 +111,18 @@ class BlockKV:
         if len(context_pages) > slots:
             raise ValueError(f"{len(context_pages)} context pages exceed the window of {slots} frames")
         layers, _, tokens, heads, head_dim = pool.k.shape
-        ids = torch.tensor(context_pages, dtype=torch.long, device=pool.k.device)
         k = pool.k.new_zeros((layers, slots, tokens, heads, head_dim))  # zeros: finite values under the mask
         v = pool.v.new_zeros((layers, slots, tokens, heads, head_dim))
-        k[:, :len(context_pages)] = pool.k.index_select(1, ids)
-        v[:, :len(context_pages)] = pool.v.index_select(1, ids)
-        valid = torch.arange(slots * tokens, device=pool.k.device) < len(context_pages) * tokens
+        # Page by page into the window: `index_select` would first build a second window-sized tensor
+        # (9 GiB each for K and V at the 14B size), memory no plan reserves.
+        for slot, page in enumerate(context_pages):
+            k[:, slot] = pool.k[:, page]
+            v[:, slot] = pool.v[:, page]
+        # A full window hides nothing, so it has no mask: attention then runs unmasked, where SDPA's fastest
+        # CUDA kernels apply (on an H200 a masked call takes 1.5x as long: benchmarks/bench_gpu.py). That
+        # makes two compiled graphs in all, masked while the window fills and unmasked after.
+        full = len(context_pages) == slots
+        valid = None if full else torch.arange(slots * tokens, device=pool.k.device) < len(context_pages) * tokens
         # [layers, slots, T, H, D] -> [layers, 1, slots*T, H, D]: layer l is the [1, Lctx, H, D] attention reads.
         return cls(pool, k.flatten(1, 2).unsqueeze(1), v.flatten(1, 2).unsqueeze(1), valid, write_pages)
 
@@ -127,12 +135,13 @@ class BlockKV:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes + self.context_valid.nbytes
+        return self.k.nbytes + self.v.nbytes + (0 if self.context_valid is None else self.context_valid.nbytes)
 
     @staticmethod
     def window_nbytes(config: ModelConfig, dtype: torch.dtype) -> int:
-        """Bytes of one gathered window (context_slots pages' worth, plus its mask): working memory of the
-        running block's transformer stages, freed before it decodes; one per thread that runs blocks."""
+        """Bytes of one gathered window at most (context_slots pages' worth, plus its mask while the window
+        fills): working memory of the running block's transformer stages, freed before it decodes; one per
+        thread that runs blocks."""
         mask = context_slots(config) * config.tokens_per_frame * torch.empty((), dtype=torch.bool).element_size()
         return context_slots(config) * KVPagePool.page_nbytes(config, dtype) + mask
 

@@ -104,7 +104,8 @@ class Pipeline:
 
     def warm_rollout(self) -> None:
         """A short private rollout from a blank picture that meets every graph shape a real rollout does:
-        each context window fill (one fixed-shape graph, every mask pattern) and the decoder cache filling up.
+        each context window fill (one fixed shape: a masked graph while it fills, an unmasked one when full)
+        and the decoder cache filling up.
         CompileSwitch.build runs it on the compiled path; it never runs the switch itself."""
         t = self.config.transformer
         blocks = warm_blocks(t.num_frames_per_block, lambda frame: len(context_frames(frame, t)))

@@ -109,14 +109,10 @@ def step_block(config: ModelConfig, transformer, vae, pool: KVPagePool, pages: P
     frames_per_block = config.transformer.num_frames_per_block
     start_frame = state.block_index * frames_per_block
     device, dtype = _device_of(transformer), _dtype_of(transformer)
-    stage_ms: dict[str, float] = {}
-    running: list = [None, 0.0]  # the stage being timed and when it began
+    clock = StageClock(device)
 
     def enter(stage: str) -> None:
-        now = time.perf_counter()
-        if running[0] is not None:
-            stage_ms[running[0]] = 1000.0 * (now - running[1])
-        running[:] = [stage, now]
+        clock.enter(stage)
         if on_stage is not None:
             on_stage(stage)
 
@@ -162,6 +158,7 @@ def step_block(config: ModelConfig, transformer, vae, pool: KVPagePool, pages: P
         enter("decode")
         frames, next_decoder = vae_stream.decode_block(vae, state.decoder, latents, decode_frame)
         enter("done")  # closes the decode timing
+        stage_ms = clock.stage_ms()
     except BaseException:
         pages.free(new_pages)
         raise
@@ -172,6 +169,37 @@ def step_block(config: ModelConfig, transformer, vae, pool: KVPagePool, pages: P
     next_state = replace(state, block_index=state.block_index + 1, condition=next_condition, decoder=next_decoder,
                          kv=next_kv, rng_state=generator.get_state(), camera=next_camera)
     return BlockOutput(state.block_index, latents, frames, poses, stage_ms), next_state
+
+
+class StageClock:
+    """Milliseconds per stage of one block, as the device spent them.
+
+    On a CPU a stage's time is the wall time between two `enter` calls. On CUDA the Python side only
+    queues kernels, so wall time there would be launch time (the decode stage would absorb the rest when
+    its frames reach the host): each `enter` records a CUDA event on the current stream instead, and
+    `stage_ms` waits for the last one once, at the end of the block, without a sync between stages.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._marks: list[tuple[str, Any]] = []  # (stage, when it began: perf_counter seconds or a CUDA event)
+
+    def enter(self, stage: str) -> None:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append((stage, event))
+        else:
+            self._marks.append((stage, time.perf_counter()))
+
+    def stage_ms(self) -> dict[str, float]:
+        """{stage: ms} for every stage entered and left (the last mark only closes the one before it)."""
+        if self._cuda and self._marks:
+            self._marks[-1][1].synchronize()
+        out: dict[str, float] = {}
+        for (stage, began), (_, ended) in zip(self._marks, self._marks[1:]):
+            out[stage] = began.elapsed_time(ended) if self._cuda else 1000.0 * (ended - began)
+        return out
 
 
 def _block_camera(config: ModelConfig, camera_state: camera.CameraState, control: BlockControl):

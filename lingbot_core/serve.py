@@ -463,7 +463,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="torch.compile the blocks (default: where it pays, as app.py)")
     parser.add_argument("--max-sessions", type=int, help="cap on concurrent sessions on top of the memory budget "
                                                          "(default: 2 on a CPU, else none)")
-    parser.add_argument("--memory-budget-gib", type=float, help="memory for sessions (default: half of what is free)")
+    parser.add_argument("--memory-budget-gib", type=float,
+                        help="memory for sessions (default: 0.9 of what a GPU has free, half of a CPU host's)")
     parser.add_argument("--idle-ttl", type=float, default=120.0, help="seconds without input before a session closes")
     parser.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting,
                         help="connections that wait in line for a seat; 0 refuses at once (1008 CAPACITY_EXHAUSTED), "

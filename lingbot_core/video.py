@@ -1,5 +1,9 @@
 """Frames to H.264 with PyAV: whole MP4 files, self-contained segments for streaming playback, and a
-stream's recording (its segments on disk, joined into one MP4 for the download, with their replay)."""
+stream's recording (its segments on disk, joined into one MP4 for the download, with their replay).
+
+PyAV is imported where a video is read or written, not with this module: the engine imports
+`frames_to_uint8` from here, and a machine that only serves or benchmarks blocks (a GPU box with no
+PyAV, benchmarks/bench_gpu.py) should not need a video codec to start."""
 
 from __future__ import annotations
 
@@ -10,7 +14,6 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-import av
 import numpy as np
 import torch
 
@@ -26,6 +29,9 @@ class H264Writer:
 
     def __init__(self, target: str | Path | io.BytesIO, width: int, height: int, fps: int,
                  container_format: str = "mp4", crf: int = 20) -> None:
+        import av
+
+        self._av = av
         self._container = av.open(target, mode="w", format=container_format)
         self._stream = self._container.add_stream("libx264", rate=fps)
         self._stream.width, self._stream.height = width, height
@@ -37,7 +43,7 @@ class H264Writer:
 
     def write(self, frames: np.ndarray) -> None:
         for frame in frames:
-            video_frame = av.VideoFrame.from_ndarray(frame, format="rgb24")
+            video_frame = self._av.VideoFrame.from_ndarray(frame, format="rgb24")
             video_frame.pts = self._pts
             self._pts += 1
             for packet in self._stream.encode(video_frame):
@@ -60,6 +66,8 @@ def mp4_segment(frames: np.ndarray, fps: int) -> bytes:
 
 def count_frames(path: str | Path) -> tuple[int, float]:
     """(decoded frame count, average rate) of a video file; what tests check against 12N - 3."""
+    import av
+
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
         count = sum(1 for _ in container.decode(stream))
@@ -68,6 +76,8 @@ def count_frames(path: str | Path) -> tuple[int, float]:
 
 def concat_mp4(segments: list[Path], out_path: Path) -> None:
     """Remux H.264 MP4 segments (same codec settings, no B-frames) into one file, end to end in time."""
+    import av
+
     with av.open(str(out_path), mode="w") as output:
         out_stream, offset = None, 0
         for segment in segments:

@@ -141,6 +141,22 @@ def test_the_memory_probe_runs_no_block_of_the_model(pipe, clock, monkeypatch):
     engine.shutdown()
 
 
+def test_without_a_budget_the_engine_plans_with_its_devices_share_of_free_memory(pipe, clock, monkeypatch):
+    """EngineConfig.memory_fraction None: 0.9 of a GPU's free memory (the engine's alone; at 0.5 the 14B
+    model admitted no session on an H200, benchmarks/bench_gpu.py), 0.5 of a CPU host's; a fraction given wins."""
+    from lingbot_core.serving import memory
+
+    free = 8 << 30
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: free)
+    assert EngineConfig().memory_fraction is None
+    assert memory.DEFAULT_MEMORY_FRACTION == {"cuda": 0.9, "cpu": 0.5}
+    for config, share in ((EngineConfig(), memory.DEFAULT_MEMORY_FRACTION["cpu"]),
+                          (EngineConfig(memory_fraction=0.25), 0.25)):
+        engine = Engine(pipe, config, clock=clock, start_worker=False)
+        assert engine.memory_budget == int(free * share)
+        engine.shutdown()
+
+
 def test_admission_by_bytes_waits_in_line_then_refuses(pipe, image, clock):
     probe = _engine(pipe, clock, max_sessions=1)
     one, reserve = probe.session_bytes, probe.reserved_bytes

@@ -7,7 +7,8 @@ the camera stream, the norms and the adaLN modulation are fp32 islands (float64 
 The KV cache is not owned here. `forward` reads `cache.context(layer)` (with `cache.context_valid`, the mask
 of a fixed-size context window) and, when `cache.writes`, hands this call's RoPE-rotated K/V to
 `cache.store(layer, k, v)`; both happen outside `CausalBlock.forward`, which is a pure tensor function and
-therefore safe to torch.compile (one graph when the context has one shape, as kv_cache.BlockKV's has).
+therefore safe to torch.compile (one graph per context shape and mask presence: kv_cache.BlockKV has one
+shape, masked while it fills and unmasked once full, so two graphs).
 """
 
 from __future__ import annotations
@@ -326,7 +327,8 @@ class CausalLingBotWorldTransformer3DModel(nn.Module):
         cos, sin = self.rope.cos_sin(start_frame, *grid)
 
         # 3. Blocks; the cache is read and written here so that a block stays a pure (compilable) function.
-        #    A fixed-size context hides its empty slots with a key mask: [1, Lctx + L], the same for every query.
+        #    A fixed-size context hides its empty slots with a key mask: [1, Lctx + L], the same for every query;
+        #    a full one (context_valid None) needs none.
         valid = None if cache is None else cache.context_valid
         if valid is not None:
             if attn_mask is not None:

@@ -92,7 +92,8 @@ class UnknownSession(KeyError):
 @dataclass(frozen=True)
 class EngineConfig:
     memory_budget_bytes: int | None = None  # None: memory_fraction of what the device has free at start
-    memory_fraction: float = 0.5
+    # None: serving/memory.DEFAULT_MEMORY_FRACTION for the device (0.9 of a GPU, 0.5 of a CPU host).
+    memory_fraction: float | None = None
     max_sessions: int | None = None  # an extra cap on top of the byte budget
     max_lead_blocks: int = 1  # blocks a session may run ahead of its consumer
     idle_ttl_s: float = 120.0  # no input (events or a reset) for this long closes a session (the one idle policy)
@@ -109,7 +110,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_lead_blocks < 1:
             raise ValueError(f"max_lead_blocks must be at least 1, got {self.max_lead_blocks}")
-        if not 0.0 < self.memory_fraction <= 1.0:
+        if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
 
 

@@ -134,7 +134,9 @@ def available_memory_bytes(device: torch.device) -> int:
     """Free memory where the session state lives: GPU memory on CUDA, physical RAM otherwise."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return free
+        # Blocks PyTorch's caching allocator holds but no tensor uses are free to this process, though the
+        # driver counts them as used (the load and the probe leave some behind).
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -172,9 +174,18 @@ class MemoryPlan:
         return sessions <= self.capacity and self.reserved_bytes + sessions * self.session_bytes <= self.budget
 
 
-def plan_memory(pipeline, *, budget_bytes: int | None, fraction: float, max_sessions: int | None,
+# The share of the memory free at start-up that the engine plans with, by device type, unless told
+# (EngineConfig.memory_fraction). A GPU that serves the model is the engine's alone; a CPU host's memory is
+# shared with the OS, the app and other processes. On an H200 with the 14B model loaded, half of what was
+# free held no session: one session (21.1 GiB) plus the running block's reserve (24.7 GiB) plus the condition
+# streams (4.2 GiB) exceed 46.8 GiB, so `app.py --device cuda` refused to start (benchmarks/bench_gpu.py).
+DEFAULT_MEMORY_FRACTION = {"cuda": 0.9, "cpu": 0.5}
+
+
+def plan_memory(pipeline, *, budget_bytes: int | None, fraction: float | None, max_sessions: int | None,
                 max_lead_blocks: int, condition_cache_bytes: int | None) -> MemoryPlan:
-    """The probe, then the plan. budget_bytes None: `fraction` of what the device has free now.
+    """The probe, then the plan. budget_bytes None: `fraction` of what the device has free now (fraction
+    None: DEFAULT_MEMORY_FRACTION for the pipeline's device type).
 
     On CUDA the block reserve also covers transient memory, measured as the probe's peak above what the
     probe's own states hold; on the CPU only the block's named tensors are reserved. Raises ValueError when
@@ -199,6 +210,7 @@ def plan_memory(pipeline, *, budget_bytes: int | None, fraction: float, max_sess
     condition_reserve = 4 * footprint.condition if condition_cache_bytes is None else condition_cache_bytes
     session_bytes = footprint.committed + max_lead_blocks * footprint.message
     if budget_bytes is None:
+        fraction = DEFAULT_MEMORY_FRACTION[device.type] if fraction is None else fraction
         budget_bytes = int(available_memory_bytes(device) * fraction)
     elif budget_bytes > total_memory_bytes(device):
         raise ValueError(f"memory_budget_bytes={budget_bytes} exceeds the {device.type} memory of "
