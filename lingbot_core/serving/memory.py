@@ -188,8 +188,10 @@ def plan_memory(pipeline, *, budget_bytes: int | None, fraction: float | None, m
     None: DEFAULT_MEMORY_FRACTION for the pipeline's device type).
 
     On CUDA the block reserve also covers transient memory, measured as the probe's peak above what the
-    probe's own states hold; on the CPU only the block's named tensors are reserved. Raises ValueError when
-    the budget holds no session.
+    probe's own states hold; on the CPU only the block's named tensors are reserved. The probe streams a
+    small frame, so that measure catches little of a full-size block: what checks the plan against a real
+    block is `benchmarks/bench_gpu.py` (its "unplanned" figure: a peak of 1.1 GiB under the plan for the
+    14B model on an H200). Raises ValueError when the budget holds no session.
     """
     device = pipeline.device
     cuda = device.type == "cuda"
