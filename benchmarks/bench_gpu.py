@@ -33,6 +33,7 @@ Prints one line per block, a table, the published anchors beside it, and a summa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -194,7 +195,7 @@ def time_attention(pipe, repeats: int = 20) -> dict[str, float | None]:
         for mask_name, mask in masks.items():
             name = mask_name if backend is None else f"{backend_name} {mask_name}"
             try:
-                with (sdpa_kernel([backend]) if backend is not None else _no_context()):
+                with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
                     attend(q, k, v, mask)
                     _sync(device)
                     times = []
@@ -207,14 +208,6 @@ def time_attention(pipe, repeats: int = 20) -> dict[str, float | None]:
             except RuntimeError:  # this backend does not take this call (a mask, a dtype, the device)
                 out[name] = None
     return out
-
-
-class _no_context:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc_info):
-        return False
 
 
 def run_one(args) -> dict:
