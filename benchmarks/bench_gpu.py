@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -86,43 +86,12 @@ def size_config(size: str):
     raise SystemExit(f"unknown size {size!r}: 14b, 1.3b or tiny")
 
 
-@torch.no_grad()
-def _fill_transformer(model, generator) -> None:
-    """The scales of CausalLingBotWorldTransformer3DModel.init_weights, drawn on the model's device."""
-    for name, param in model.named_parameters():
-        owner, _, leaf = name.rpartition(".")
-        if leaf == "modulation":
-            param.normal_(0.0, 1.0 / math.sqrt(model.config.dim), generator=generator)
-        elif owner.rpartition(".")[2].startswith("norm"):
-            param.fill_(1.0 if leaf == "weight" else 0.0)
-        elif leaf == "bias":
-            param.zero_()
-        else:
-            param.normal_(0.0, 0.02, generator=generator)
-
-
-@torch.no_grad()
-def _fill_umt5(model, generator) -> None:
-    """T5's initialisation scales (as model/text.py's embedded encoder), drawn on the model's device."""
-    cfg = model.config
-    stds = {"q": (cfg.d_model * cfg.d_kv) ** -0.5, "k": cfg.d_model**-0.5, "v": cfg.d_model**-0.5,
-            "o": (cfg.num_heads * cfg.d_kv) ** -0.5, "relative_attention_bias": cfg.d_model**-0.5,
-            "wi_0": cfg.d_model**-0.5, "wi_1": cfg.d_model**-0.5, "wo": cfg.d_ff**-0.5}
-    for name, param in model.named_parameters():
-        parts = name.split(".")
-        if "layer_norm" in parts[-2]:
-            param.fill_(1.0)
-        else:
-            param.normal_(0.0, 1.0 if parts[-2] in ("shared", "embed_tokens") else stds[parts[-2]],
-                          generator=generator)
-
-
 def build_pipeline(size: str, device: str, dtype: torch.dtype, compiled: bool):
     """A Pipeline of random weights built on `device`; compiled as load_pipeline compiles on CUDA."""
     from transformers import UMT5EncoderModel
 
     from lingbot_core.loading import LoadedParts
-    from lingbot_core.model.text import TextEncoder, build_embedded_tokenizer, embedded_umt5_config
+    from lingbot_core.model.text import TextEncoder, build_embedded_tokenizer, embedded_umt5_config, init_umt5_weights
     from lingbot_core.model.transformer import CausalLingBotWorldTransformer3DModel
     from lingbot_core.model.vae_stream import build_vae, compile_frame_decoder, decode_latent_frame
     from lingbot_core.pipeline import Pipeline
@@ -134,12 +103,12 @@ def build_pipeline(size: str, device: str, dtype: torch.dtype, compiled: bool):
         umt5 = UMT5EncoderModel(embedded_umt5_config(text_config, vocab))
     # The dtype is set while the tensors are still meta, so no float32 copy is ever allocated.
     transformer = transformer.to(dtype).to_empty(device=device)
-    _fill_transformer(transformer, generator)
+    transformer.init_weights(generator)  # drawn on the device: the generator is the device's
     transformer.materialize_buffers(torch.device(device))
     transformer.eval().requires_grad_(False)
     umt5 = umt5.to(dtype).to_empty(device=device)
     umt5.tie_weights()
-    _fill_umt5(umt5, generator)
+    init_umt5_weights(umt5, generator)
     umt5.eval().requires_grad_(False)
     text = TextEncoder(tokenizer=build_embedded_tokenizer(), model=umt5, max_length=config.text.max_length,
                        max_prompt_chars=config.text.max_prompt_chars)
@@ -211,6 +180,8 @@ def time_attention(pipe, repeats: int = 20) -> dict[str, float | None]:
 
 
 def run_one(args) -> dict:
+    from lingbot_core.kv_cache import context_slots
+    from lingbot_core.model.attention import context_frames
     from lingbot_core.rollout import BlockControl
     from lingbot_core.serving.engine import EngineConfig
     from lingbot_core.serving.memory import plan_memory
@@ -274,7 +245,9 @@ def run_one(args) -> dict:
             flush=True)
 
     frames_per_block = config.transformer.num_frames_per_block
-    full_window_block = math.ceil(config.transformer.sliding_window_num_frames / frames_per_block) - 1
+    # The first block whose context fills every slot of the window (kv_cache.BlockKV drops its mask there).
+    full_window_block = next(b for b in itertools.count()
+                             if len(context_frames(b * frames_per_block, config.transformer)) == context_slots(config))
     controls = [BlockControl(actions=(frozenset("w"),) * frames_per_block)] * args.blocks
     rows, graphs_at = [], {}
     graphs_before = _graphs()
@@ -358,7 +331,7 @@ def print_table(results: list[dict], failures: list[str]) -> None:
               f"{_fmt(r.get('unplanned_gib'), '.1f'):>9} {_fmt(r.get('kv_session_gib'), '.2f'):>11} "
               f"{r.get('sessions_default', '-')!s:>4}/{r.get('sessions_0.5', '-')!s:<4} {graphs:>9}")
     print("  ms/block: median of blocks 1..N-1 (wall, frames on the host); full win: of the blocks whose context "
-          "window is full (from block ceil(window / block) - 1 on: the unmasked attention); settled: of those past "
+          "window is full (the unmasked attention); settled: of those past "
           "the condition encoder's fixed point (no encoding: a long session's cost); max: the slowest after block 0; "
           "first s: block 0 "
           "(the compile, in compiled mode); cond/denoise/commit/decode: median ms of each stage (CUDA events); "

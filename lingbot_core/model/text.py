@@ -129,8 +129,9 @@ def embedded_umt5_config(text_cfg: TextConfig, vocab_size: int) -> UMT5Config:
     )
 
 
-def _init_umt5_weights(model: UMT5EncoderModel, generator: torch.Generator) -> None:
-    """Fill every parameter from `generator` in a fixed order, with T5's initialisation scales.
+def init_umt5_weights(model: UMT5EncoderModel, generator: torch.Generator) -> None:
+    """Fill every parameter from `generator` (drawn on its device) in a fixed order, with T5's initialisation
+    scales.
 
     T5 attention does not divide logits by sqrt(d_kv); the small query scale is what keeps them sane.
     """
@@ -152,7 +153,7 @@ def _init_umt5_weights(model: UMT5EncoderModel, generator: torch.Generator) -> N
                 param.fill_(1.0)
                 continue
             std = 1.0 if parts[-2] in ("shared", "embed_tokens") else stds[parts[-2]]
-            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32, device=generator.device)
             param.copy_(noise * std)
 
 
@@ -172,10 +173,10 @@ def build_embedded_umt5(text_cfg: TextConfig, vocab_size: int, seed: int) -> UMT
         model = UMT5EncoderModel(embedded_umt5_config(text_cfg, vocab_size))
     model = model.to_empty(device="cpu")
     model.tie_weights()  # to_empty breaks the shared/embed_tokens tie; save_pretrained expects it
-    _init_umt5_weights(model, torch.Generator().manual_seed(seed))
+    init_umt5_weights(model, torch.Generator().manual_seed(seed))
     model.eval().requires_grad_(False)
     return model
 
 
 __all__ = ["PromptError", "TextEncoder", "normalize_prompt", "build_embedded_tokenizer",
-           "build_embedded_umt5", "build_embedded_text_encoder", "embedded_umt5_config"]
+           "build_embedded_umt5", "build_embedded_text_encoder", "embedded_umt5_config", "init_umt5_weights"]

@@ -212,17 +212,21 @@ class CausalLingBotWorldTransformer3DModel(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
-        """Deterministic random weights: N(0, 0.02) matrices, zero biases, N(0, 1/dim) modulation, unit norms."""
+        """Deterministic random weights: N(0, 0.02) matrices, zero biases, N(0, 1/dim) modulation, unit norms.
+
+        The draws are made on the generator's device: a CPU generator gives the same weights on every device
+        (the seeded embedded model); a CUDA one fills a full-size model without a host copy (bench_gpu.py)."""
+        draw = dict(generator=generator, dtype=torch.float64, device=generator.device)
         for name, param in self.named_parameters():
             owner, _, leaf = name.rpartition(".")
             if leaf == "modulation":
-                value = torch.randn(param.shape, generator=generator, dtype=torch.float64) / math.sqrt(self.config.dim)
+                value = torch.randn(param.shape, **draw) / math.sqrt(self.config.dim)
             elif owner.rpartition(".")[2].startswith("norm"):  # norm_q, norm_k, norm3
                 value = torch.ones(param.shape) if leaf == "weight" else torch.zeros(param.shape)
             elif leaf == "bias":
                 value = torch.zeros(param.shape)
             else:
-                value = torch.randn(param.shape, generator=generator, dtype=torch.float64) * 0.02
+                value = torch.randn(param.shape, **draw) * 0.02
             param.copy_(value)
 
     def compile_blocks(self, **compile_kwargs: Any) -> None:
