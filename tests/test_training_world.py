@@ -6,7 +6,8 @@ import torch
 from lingbot_core.config import tiny_config
 from lingbot_core.kv_cache import KVPagePool, SessionKV
 from lingbot_core.model.transformer import CausalLingBotWorldTransformer3DModel
-from training.world import RecordKV, _CommitKV, ReadKV, motion_weights, rollout_context, teacher_forced_loss
+from training.world import (RecordKV, WorldTrainConfig, _CommitKV, ReadKV, block_position, motion_weights,
+                            rollout_context, teacher_forced_loss)
 from lingbot_core.model.attention import context_frames
 from lingbot_core.pages import PageAllocator
 
@@ -54,6 +55,81 @@ def test_training_forwards_equal_the_paged_cache_forwards_across_the_sliding_win
         commit = _CommitKV(record, ctx, tokens)
         model(clean, torch.zeros(1), text_kv, plucker[:, own], start, cache=commit)
         record.append(commit)
+
+
+@pytest.mark.parametrize("shift_blocks", [1, 7])
+def test_a_shifted_training_block_attends_as_the_session_block_that_many_blocks_later(shift_blocks):
+    """A window trained with its blocks after the sink moved m blocks later in RoPE time computes what a
+    session computes m blocks later: the session holds the same sink and the same recent block (m filler
+    blocks in between, which the window has slid past), so every forward from window block 2 on is equal.
+    Unshifted, the session's sink is m blocks farther away and the forwards differ."""
+    blocks = 4
+    config, model, x0, extra, plucker, text_kv = _model_and_inputs(blocks)
+    per_block, tokens = config.transformer.num_frames_per_block, config.tokens_per_frame
+    assert config.transformer.recent_frames == per_block  # the window: the sink and one recent block
+    shift = shift_blocks * per_block
+    filler = torch.randn(1, x0.shape[1], shift, *x0.shape[3:])
+
+    def session_block(j):  # the session's latents of block j: the window's block 0, filler, then the window
+        if j == 0:
+            return x0[:, :, :per_block]
+        if j <= shift_blocks:
+            return filler[:, :, (j - 1) * per_block:j * per_block]
+        start = (j - shift_blocks) * per_block
+        return x0[:, :, start:start + per_block]
+
+    def window_slice(j):  # extra and plucker of session block j: the window's where the window has one
+        w = 0 if j == 0 else max(j - shift_blocks, 1)
+        return slice(w * per_block, (w + 1) * per_block)
+
+    pool = KVPagePool(config, 16, torch.float32, "cpu")
+    page_ids, table = PageAllocator(pool.num_pages), SessionKV.empty()
+    timestep = torch.full((1,), 700.0)
+    x_t = torch.randn(1, x0.shape[1], per_block, *x0.shape[3:])
+    session_out = {}
+    for j in range(blocks + shift_blocks):
+        start, own = j * per_block, window_slice(j)
+        session_out[j] = model(torch.cat([x_t, extra[:, :, own]], 1), timestep, text_kv, plucker[:, own], start,
+                               cache=table.view(pool, config, start))
+        pages = page_ids.allocate(per_block)
+        model(torch.cat([session_block(j), extra[:, :, own]], 1), torch.zeros(1), text_kv, plucker[:, own], start,
+              cache=table.view(pool, config, start, pages))
+        table, dropped = table.after_commit(config, start, pages)
+        page_ids.free(dropped)
+
+    for moved in (shift, 0):
+        record = RecordKV()
+        for b in range(blocks):
+            start, own = b * per_block, slice(b * per_block, (b + 1) * per_block)
+            ctx, position = context_frames(start, config.transformer), block_position(start, moved, config)
+            out = model(torch.cat([x_t, extra[:, :, own]], 1), timestep, text_kv, plucker[:, own], position,
+                        cache=ReadKV(record, ctx, tokens))
+            if b >= 2:
+                session = session_out[b + shift_blocks]
+                if moved:
+                    torch.testing.assert_close(out, session, rtol=1e-5, atol=1e-5)
+                else:
+                    assert not torch.allclose(out, session, rtol=1e-5, atol=1e-5)  # the sink's distance counts
+            commit = _CommitKV(record, ctx, tokens)
+            model(torch.cat([x0[:, :, own], extra[:, :, own]], 1), torch.zeros(1), text_kv, plucker[:, own],
+                  position, cache=commit)
+            record.append(commit)
+
+
+def test_position_shifts_are_whole_blocks_drawn_per_step_at_the_asked_share():
+    tc = WorldTrainConfig(vae="v", clips_dir="c", stored_clips=1, position_shift_share=0.5, position_shift_blocks=64)
+    shifts = [tc.position_shift(step, 3) for step in range(2000)]
+    assert shifts == [tc.position_shift(step, 3) for step in range(2000)]  # a resumed run draws the same
+    moved = [s for s in shifts if s]
+    assert 0.45 < len(moved) / len(shifts) < 0.55
+    assert all(s % 3 == 0 and 3 <= s <= 192 for s in moved) and {3, 192} <= set(moved)
+    assert not any(WorldTrainConfig(vae="v", clips_dir="c", stored_clips=1).position_shift(s, 3) for s in range(200))
+    config = _model_and_inputs(1)[0]
+    assert [block_position(start, 6, config) for start in (0, 3, 6)] == [0, 9, 12]
+    with pytest.raises(ValueError, match="whole number of blocks"):
+        block_position(3, 4, config)
+    with pytest.raises(ValueError, match="position_shift_share"):
+        WorldTrainConfig(vae="v", clips_dir="c", stored_clips=1, position_shift_share=1.5)
 
 
 def test_teacher_forced_loss_trains_and_rollout_context_has_the_latent_shape():

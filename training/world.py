@@ -3,7 +3,7 @@
     python -m training.world --vae DIR/vae --clips-dir DIR --stored-clips N --steps S [--blocks 6] [--batch 2]
                              [--lr 3e-4] [--rollout-from STEP] [--rollout-share 0.5] [--seed 0] [--run-dir DIR]
                              [--lr-decay-from STEP] [--lr-final 0.1] [--motion-weight W] [--mirror] [--threads 2]
-                             [--init-from MODEL_DIR]
+                             [--init-from MODEL_DIR] [--position-shift-share 0.5] [--position-shift-blocks 64]
     python -m training.world --run-dir DIR --export OUT   # OUT/transformer/: fp16 safetensors, diffusers layout
 
 It trains exactly the structure inference runs (lingbot_core/rollout.py `step_block`):
@@ -25,6 +25,12 @@ the batches replaces the clean context with the model's own rollout (four sample
 per block, no gradient), while the targets stay the rendered clip: the world is deterministic, so the
 right next block after an imperfect context is still the true one, and the model learns to pull its
 own drift back (the point of Self-Forcing, with a regression target that this world makes possible).
+
+A training window is 6 blocks, a session is unbounded, and RoPE's time axis is absolute: at block 64
+the sink sits 190 latent frames behind the current block, a distance no 6-block window shows. With
+--position-shift-share, a share of the batches places every block after the sink m blocks later on
+that axis (m uniform in 1 .. --position-shift-blocks), so each such block attends exactly as block
+b + m of a session does (`block_position`), with its true neighbours and its sink.
 
 Text conditioning is trivial: each step draws a prompt from PROMPTS (the app's example prompts and a
 few others), so the model learns to read the world from the picture and the keys whatever the prompt
@@ -104,6 +110,10 @@ class WorldTrainConfig:
     # lingbot_core/embedded_model) instead of seeded ones, with a fresh optimizer. Lets a run continue
     # from the shipped weights on a machine that has no earlier run folder ("": seeded start).
     init_from: str = ""
+    # The share of batches whose blocks after the sink sit 1 .. position_shift_blocks blocks later in
+    # RoPE time (see the module docstring): teaches the distances of long sessions (0: never).
+    position_shift_share: float = 0.0
+    position_shift_blocks: int = 64
 
     def __post_init__(self) -> None:
         if self.blocks < 1 or self.batch < 1 or self.stored_clips < 1:
@@ -114,6 +124,18 @@ class WorldTrainConfig:
             raise ValueError("lr_final must be within (0, 1]")
         if self.motion_weight < 0.0:
             raise ValueError("motion_weight must be at least 0")
+        if not 0.0 <= self.position_shift_share <= 1.0:
+            raise ValueError("position_shift_share must be within [0, 1]")
+        if self.position_shift_blocks < 1:
+            raise ValueError("position_shift_blocks must be at least 1")
+
+    def position_shift(self, step: int, frames_per_block: int) -> int:
+        """Latent frames by which step's batch moves its blocks after the sink (0: where they are).
+        A pure function of (data_seed, step), as the batch itself, so a resumed run draws the same."""
+        rng = np.random.default_rng([self.data_seed, 13, step])
+        if rng.random() >= self.position_shift_share:
+            return 0
+        return int(rng.integers(1, self.position_shift_blocks + 1)) * frames_per_block
 
     def learning_rate(self, step: int, steps: int) -> float:
         """Constant, then a linear fall from lr_decay_from to lr * lr_final at the run's last step: a long
@@ -238,6 +260,14 @@ class ReadKV:
         return k[:, index], v[:, index]
 
 
+def block_position(start: int, shift: int, config: ModelConfig) -> int:
+    """RoPE start of the block at window frame `start` when the blocks after the sink move `shift`
+    latent frames later: the sink stays at 0 .. sink_size-1, as in every session."""
+    if shift < 0 or shift % config.transformer.num_frames_per_block:
+        raise ValueError(f"shift must be a whole number of blocks >= 0, got {shift} latent frames")
+    return start if start < config.transformer.sink_size else start + shift
+
+
 def sampler_sigmas(config: ModelConfig) -> torch.Tensor:
     return torch.tensor(config.sampler.sigmas(), dtype=torch.float32)
 
@@ -253,9 +283,11 @@ def motion_weights(x0: torch.Tensor, motion_weight: float) -> torch.Tensor:
 
 
 def teacher_forced_loss(model: CausalLingBotWorldTransformer3DModel, config: ModelConfig, batch: dict,
-                        text_kv, generator: torch.Generator, motion_weight: float = 0.0) -> torch.Tensor:
+                        text_kv, generator: torch.Generator, motion_weight: float = 0.0,
+                        shift: int = 0) -> torch.Tensor:
     """Mean squared x0 error of every block given the context latents in batch['context'], each
-    position weighted by `motion_weights` (a plain mean when motion_weight is 0).
+    position weighted by `motion_weights` (a plain mean when motion_weight is 0). `shift`: latent
+    frames by which the blocks after the sink sit later in RoPE time (`block_position`).
 
     Block by block, as inference runs: a t=0 forward of the block's clean context latents reads the
     K/V its context frames recorded and records its own (the commit), and a forward of its noisy
@@ -276,25 +308,27 @@ def teacher_forced_loss(model: CausalLingBotWorldTransformer3DModel, config: Mod
     for block, start in enumerate(range(0, frames, per_block)):
         own = slice(start, start + per_block)
         reader = ReadKV(record, context_frames(start, config.transformer), tokens)
+        position = block_position(start, shift, config)
         sigma = sigmas[choice[:, block]]  # [B]
         s = sigma.view(b, 1, 1, 1, 1)
         x_t = (1.0 - s) * x0[:, :, own] + s * noise[:, :, own]
         v = model(torch.cat([x_t, extra[:, :, own]], 1), config.sampler.num_train_timesteps * sigma, text_kv,
-                  plucker[:, own], start, cache=reader)
+                  plucker[:, own], position, cache=reader)
         weight = weights[:, :, own]
         error = ((x_t - s * v) - x0[:, :, own]).square()
         losses.append((weight * error).mean() / weight.mean())
         commit = _CommitKV(record, context_frames(start, config.transformer), tokens)
         model(torch.cat([context[:, :, own], extra[:, :, own]], 1), torch.zeros(b), text_kv, plucker[:, own],
-              start, cache=commit)
+              position, cache=commit)
         record.append(commit)
     return torch.stack(losses).mean()
 
 
 @torch.no_grad()
 def rollout_context(model: CausalLingBotWorldTransformer3DModel, config: ModelConfig, batch: dict, text_kv,
-                    generator: torch.Generator) -> torch.Tensor:
-    """The model's own latents for every block, sampled as step_block does (4 steps, then a t=0 commit)."""
+                    generator: torch.Generator, shift: int = 0) -> torch.Tensor:
+    """The model's own latents for every block, sampled as step_block does (4 steps, then a t=0 commit),
+    the blocks after the sink `shift` latent frames later in RoPE time (`block_position`)."""
     extra, plucker = batch["extra"], batch["plucker"]
     b, _, frames = extra.shape[:3]
     per_block = config.transformer.num_frames_per_block
@@ -306,16 +340,17 @@ def rollout_context(model: CausalLingBotWorldTransformer3DModel, config: ModelCo
     for start in range(0, frames, per_block):
         own = slice(start, start + per_block)
         ctx = context_frames(start, config.transformer)
+        position = block_position(start, shift, config)
         x = torch.randn(shape, generator=generator)
         for step, sigma in enumerate(sigmas):
             v = model(torch.cat([x, extra[:, :, own]], 1),
                       torch.full((b,), config.sampler.num_train_timesteps * sigma), text_kv, plucker[:, own],
-                      start, cache=ReadKV(record, ctx, tokens))
+                      position, cache=ReadKV(record, ctx, tokens))
             x0 = x - sigma * v
             if step + 1 < len(sigmas):
                 x = (1.0 - sigmas[step + 1]) * x0 + sigmas[step + 1] * torch.randn(shape, generator=generator)
         commit = _CommitKV(record, ctx, tokens)
-        model(torch.cat([x0, extra[:, :, own]], 1), torch.zeros(b), text_kv, plucker[:, own], start, cache=commit)
+        model(torch.cat([x0, extra[:, :, own]], 1), torch.zeros(b), text_kv, plucker[:, own], position, cache=commit)
         record.append(commit)
         out.append(x0)
     return torch.cat(out, 2)
@@ -404,8 +439,10 @@ def load_checkpoint(run_dir: Path, tc: WorldTrainConfig | None = None) -> tuple[
     saved = WorldTrainConfig(**state["train_config"])
     # May change on resume: the curriculum, the loss weighting and the schedule's end are decided as
     # the run goes.
-    # The mirror images add data beside the stored clips, so a run may take them up on resume.
-    ignore = {"rollout_from", "rollout_share", "lr_decay_from", "lr_final", "motion_weight", "mirror"}
+    # The mirror images add data beside the stored clips, so a run may take them up on resume; so may
+    # the position shift its batches.
+    ignore = {"rollout_from", "rollout_share", "lr_decay_from", "lr_final", "motion_weight", "mirror",
+              "position_shift_share", "position_shift_blocks"}
     if tc is not None:
         diff = {k: (v, getattr(tc, k)) for k, v in dataclasses.asdict(saved).items()
                 if k not in ignore and getattr(tc, k) != v}
@@ -440,6 +477,7 @@ def train(tc: WorldTrainConfig, run_dir: Path, steps: int, checkpoint_every: int
     with open(run_dir / LOG, "a") as log:
         while step < steps:
             batch = data.batch(tc, step)
+            shift = tc.position_shift(step, config.transformer.num_frames_per_block)
             prompt = torch.randint(len(PROMPTS), (1,), generator=generator).item()
             use_rollout = tc.rollout_from >= 0 and step >= tc.rollout_from and \
                 torch.rand(1, generator=generator).item() < tc.rollout_share
@@ -447,10 +485,10 @@ def train(tc: WorldTrainConfig, run_dir: Path, steps: int, checkpoint_every: int
             text_kv = model.prepare_text(texts[prompt:prompt + 1].expand(tc.batch, -1, -1))
             if use_rollout:
                 model.eval()
-                batch["context"] = rollout_context(model, config, batch, text_kv, generator).detach()
+                batch["context"] = rollout_context(model, config, batch, text_kv, generator, shift).detach()
                 model.train()
                 text_kv = model.prepare_text(texts[prompt:prompt + 1].expand(tc.batch, -1, -1))
-            loss = teacher_forced_loss(model, config, batch, text_kv, generator, tc.motion_weight)
+            loss = teacher_forced_loss(model, config, batch, text_kv, generator, tc.motion_weight, shift)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss at step {step}; lower --lr (the checkpoint is kept)")
             for group in optimizer.param_groups:
@@ -460,7 +498,7 @@ def train(tc: WorldTrainConfig, run_dir: Path, steps: int, checkpoint_every: int
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             step += 1
-            record = {"step": step, "loss": round(loss.item(), 6), "rollout": use_rollout,
+            record = {"step": step, "loss": round(loss.item(), 6), "rollout": use_rollout, "shift": shift,
                       "lr": optimizer.param_groups[0]["lr"],
                       "seconds": round(time.perf_counter() - started, 2)}
             log.write(json.dumps(record) + "\n")
@@ -512,6 +550,10 @@ def main() -> None:
                         help="also train on each clip's mirror image (A<->D, J<->L swapped)")
     parser.add_argument("--init-from", default="", metavar="MODEL_DIR",
                         help="start from MODEL_DIR/transformer/'s weights (an exported model folder) with a fresh optimizer")
+    parser.add_argument("--position-shift-share", type=float, default=d.position_shift_share,
+                        help="share of batches whose blocks after the sink sit later in RoPE time, as in a long session")
+    parser.add_argument("--position-shift-blocks", type=int, default=d.position_shift_blocks,
+                        help="the largest such shift, in blocks (drawn uniformly from 1 up)")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--threads", type=int, default=2)
@@ -531,6 +573,8 @@ def main() -> None:
                               rollout_from=args.rollout_from, rollout_share=args.rollout_share,
                               lr_decay_from=args.lr_decay_from, lr_final=args.lr_final,
                               motion_weight=args.motion_weight, mirror=args.mirror,
+                              position_shift_share=args.position_shift_share,
+                              position_shift_blocks=args.position_shift_blocks,
                               init_from=str(Path(args.init_from).expanduser()) if args.init_from else "")
         print(f"run {run_dir}")
         train(tc, run_dir, args.steps, args.checkpoint_every)
