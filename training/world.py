@@ -307,7 +307,8 @@ def teacher_forced_loss(model: CausalLingBotWorldTransformer3DModel, config: Mod
     losses = []
     for block, start in enumerate(range(0, frames, per_block)):
         own = slice(start, start + per_block)
-        reader = ReadKV(record, context_frames(start, config.transformer), tokens)
+        ctx = context_frames(start, config.transformer)
+        reader = ReadKV(record, ctx, tokens)
         position = block_position(start, shift, config)
         sigma = sigmas[choice[:, block]]  # [B]
         s = sigma.view(b, 1, 1, 1, 1)
@@ -317,7 +318,7 @@ def teacher_forced_loss(model: CausalLingBotWorldTransformer3DModel, config: Mod
         weight = weights[:, :, own]
         error = ((x_t - s * v) - x0[:, :, own]).square()
         losses.append((weight * error).mean() / weight.mean())
-        commit = _CommitKV(record, context_frames(start, config.transformer), tokens)
+        commit = _CommitKV(record, ctx, tokens)
         model(torch.cat([context[:, :, own], extra[:, :, own]], 1), torch.zeros(b), text_kv, plucker[:, own],
               position, cache=commit)
         record.append(commit)
