@@ -1,5 +1,7 @@
 """training/world.py trains the structure inference runs: its per-block forwards equal the paged-cache ones."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -255,3 +257,66 @@ def test_init_from_loads_the_exported_weights_and_refuses_a_model_of_another_sha
     assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
     with pytest.raises(ValueError, match="does not exist"):
         load_exported_weights(target, tmp_path / "nowhere")
+
+
+def test_a_grown_encoding_cache_equals_encoding_all_clips_at_once(tmp_path):
+    """A run resumed with more stored clips appends the new clips' encodings to its cache; the result
+    equals a fresh encode of all of them, and the clips are read only when something is missing."""
+    import numpy as np
+
+    from lingbot_core.loading import build_seeded_parts
+    from training.data import StoredClips
+    from training.world import cached_encoding, encode_clips
+
+    config = tiny_config()
+    vae = build_seeded_parts(config, 0).vae
+    frames = config.pixel_frames_for_blocks(2)
+    rng = np.random.default_rng(0)
+    for i in range(5):
+        np.savez(tmp_path / f"clip_{i:07d}.npz",
+                 video=rng.integers(0, 256, (frames, config.height, config.width, 3), dtype=np.uint8),
+                 actions=rng.integers(0, 2, (6, 8), dtype=np.uint8), latent_poses=np.zeros((6, 4, 4)),
+                 intrinsics=np.zeros(4), world_seed=np.int64(i))
+    cache = tmp_path / "latents.pt"
+    encoded = []  # the clips whose frames were read, one list per call of the clip source
+
+    class CountingClips(StoredClips):
+        def video(self, index, start=0, frames=None):
+            encoded[-1].append(index)
+            return super().video(index, start, frames)
+
+    def stored(count):
+        def read():
+            encoded.append([])
+            return CountingClips(tmp_path, count)
+        return read
+
+    for mirrored in (False, True):
+        cache.unlink(missing_ok=True)
+        first = cached_encoding(cache, vae, config, stored(3), 3, 2, mirrored)
+        assert len(first["latents"]) == 3
+        grown = cached_encoding(cache, vae, config, stored(5), 5, 2, mirrored)
+        assert sorted(set(encoded[-1])) == [3, 4]  # only the new clips were encoded
+        reference = encode_clips(vae, config, StoredClips(tmp_path, 5), 2, mirrored=mirrored)
+        for key in ("latents", "conditions", "actions"):
+            torch.testing.assert_close(grown[key], reference[key], rtol=1e-5, atol=1e-5)
+        assert torch.equal(grown["latents"][:3], first["latents"])  # the cached clips are kept as they were
+        calls = len(encoded)
+        again = cached_encoding(cache, vae, config, stored(5), 5, 2, mirrored)
+        assert torch.equal(again["latents"], grown["latents"]) and len(encoded) == calls  # nothing read
+        # A cache grown by a run that stopped before its first checkpoint under the new count.
+        fewer = cached_encoding(cache, vae, config, stored(4), 4, 2, mirrored)
+        assert len(encoded) == calls and all(torch.equal(fewer[k], grown[k][:4]) for k in grown)
+
+
+def test_a_run_may_resume_with_more_stored_clips_but_not_fewer(tmp_path):
+    from training.world import CHECKPOINT, CHECKPOINT_FORMAT, load_checkpoint
+
+    tc = WorldTrainConfig(vae="v", clips_dir="c", stored_clips=380)
+    torch.save({"format": CHECKPOINT_FORMAT, "train_config": dataclasses.asdict(tc)}, tmp_path / CHECKPOINT)
+    saved, _ = load_checkpoint(tmp_path, dataclasses.replace(tc, stored_clips=540))
+    assert saved.stored_clips == 380
+    with pytest.raises(ValueError, match="stored_clips"):
+        load_checkpoint(tmp_path, dataclasses.replace(tc, stored_clips=300))
+    with pytest.raises(ValueError, match="blocks"):
+        load_checkpoint(tmp_path, dataclasses.replace(tc, stored_clips=540, blocks=8))

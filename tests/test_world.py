@@ -283,3 +283,36 @@ def test_training_clips_are_reproducible_train_worlds_with_app_like_scripts():
         for keys in script:
             assert not ({"w", "s"} <= keys or {"a", "d"} <= keys or {"i", "k"} <= keys or {"j", "l"} <= keys)
         assert array_to_actions(actions_to_array(script)) == script
+
+
+def test_hold_scripts_repeat_whole_blocks_and_leave_the_default_scripts_unchanged():
+    import hashlib
+
+    from training.data import ScriptConfig, actions_to_array, sample_script
+
+    # The default scripts are those the shipped model's first 380 clips were rendered with (a hold
+    # setting that drew even at 0 would have changed every clip after it).
+    digest = hashlib.sha256(np.stack([actions_to_array(sample_script(np.random.default_rng([0, i]), 6, FPB))
+                                      for i in range(50)]).tobytes()).hexdigest()
+    assert digest == "16fd8e289e37f958c9f7eb0a1a6a3ca93dd0dc2acf736ed3331355604acea5fe"
+    # hold 1: every block from block 2 on presses block 1's keys for the whole block, also when
+    # block 1 pressed them for part of it only.
+    for partial in (0.0, 1.0):
+        for i in range(20):
+            script = sample_script(np.random.default_rng([0, i]), 6, FPB, ScriptConfig(hold=1.0, partial=partial))
+            block1 = frozenset().union(*script[FPB:2 * FPB])
+            assert set(script[2 * FPB:]) == {block1}
+    # hold 0.75: about that share of later blocks press the previous block's keys for the whole block
+    # (a fresh block that happens to equal it counts too), and no block presses opposite keys.
+    repeats = blocks = 0
+    for i in range(200):
+        script = sample_script(np.random.default_rng([1, i]), 6, FPB, ScriptConfig(hold=0.75))
+        per_block = [script[b * FPB:(b + 1) * FPB] for b in range(6)]
+        for b in range(2, 6):
+            blocks += 1
+            repeats += per_block[b] == (frozenset().union(*per_block[b - 1]),) * FPB
+        for keys in script:
+            assert not ({"w", "s"} <= keys or {"a", "d"} <= keys or {"i", "k"} <= keys or {"j", "l"} <= keys)
+    assert 0.72 < repeats / blocks < 0.85
+    with pytest.raises(ValueError, match="probability"):
+        sample_script(np.random.default_rng(0), 6, FPB, ScriptConfig(hold=1.5))

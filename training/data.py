@@ -1,16 +1,17 @@
 """Training clips: rendered videos of train-range worlds with the key actions, poses and intrinsics behind them.
 
     python -m training.data --out out/clips --clips 64 [--blocks 4] [--data-seed 0] [--start 0]
-                            [--size 128x224] [--supersample 2] [--workers 2]
+                            [--size 128x224] [--supersample 2] [--workers 2] [--hold 0.0]
 
-Clip i of a data seed is a pure function of (data_seed, i): its world seed (drawn from TRAIN_SEEDS
-only), its key script and so its pixels. A dataset is therefore reproducible from its seed and
-resumable from any index (`--start`), and two workers never need to coordinate.
+Clip i of a data seed is a pure function of (data_seed, i) and the script settings: its world seed
+(drawn from TRAIN_SEEDS only), its key script and so its pixels. A dataset is therefore reproducible
+from its seed and resumable from any index (`--start`), and two workers never need to coordinate.
 
 A key script mirrors the app: block 0 carries no key (keys act from the next block on), every
 later block holds a key set (none, one key, or two keys that do not cancel), and some blocks press
-it for only part of the block. Poses come from the camera module's integrator (`key_path`), so the
-Plücker maps computed from `frame_actions` in training are exactly the demo's.
+it for only part of the block. With `--hold P` each block from block 2 on repeats the previous
+block's keys, for the whole block, with probability P: the long holds of real play. Poses come from the camera module's integrator
+(`key_path`), so the Plücker maps computed from `frame_actions` in training are exactly the demo's.
 
 The command writes one `clip_<i>.npz` per clip: `video` uint8 [T, H, W, 3] (T = 12N - 3 pixel frames),
 `actions` uint8 [L, 8] (one row per latent frame, columns in KEY_ORDER), `latent_poses` [L, 4, 4]
@@ -46,6 +47,11 @@ class ScriptConfig:
     still: float = 0.12  # a block without keys
     pair: float = 0.3  # a block with two keys (otherwise one)
     partial: float = 0.25  # the block's keys are pressed for a contiguous part of it only
+    # A block from block 2 on repeats the previous block's key set, pressed for the whole block: long
+    # holds, as players hold W or J for seconds (and as the evaluation holds a key for 8 blocks), which
+    # independent blocks almost never show. At 0 no draw is made, so scripts sampled before this
+    # setting existed are unchanged.
+    hold: float = 0.0
 
 
 class Clip(NamedTuple):
@@ -61,8 +67,14 @@ def sample_script(rng: np.random.Generator, num_blocks: int, frames_per_block: i
                   cfg: ScriptConfig = ScriptConfig()) -> tuple[frozenset[str], ...]:
     """Per-latent-frame key sets for `num_blocks` blocks; block 0 is always still."""
     keys, weights = list(_KEY_WEIGHTS), np.array(list(_KEY_WEIGHTS.values()))
+    if not 0.0 <= cfg.hold <= 1.0:
+        raise ValueError(f"hold is a probability; got {cfg.hold}")
     frames: list[frozenset[str]] = [frozenset()] * frames_per_block
-    for _ in range(1, num_blocks):
+    previous: frozenset[str] = frozenset()
+    for index in range(1, num_blocks):
+        if cfg.hold > 0.0 and index >= 2 and rng.random() < cfg.hold:
+            frames.extend([previous] * frames_per_block)
+            continue
         held: set[str] = set()
         if rng.random() >= cfg.still:
             first = keys[rng.choice(len(keys), p=weights / weights.sum())]
@@ -76,6 +88,7 @@ def sample_script(rng: np.random.Generator, num_blocks: int, frames_per_block: i
             start = int(rng.integers(frames_per_block))
             stop = int(rng.integers(start + 1, frames_per_block + 1))
             block = [frozenset(held) if start <= f < stop else frozenset() for f in range(frames_per_block)]
+        previous = frozenset(held)
         frames.extend(block)
     return tuple(frames)
 
@@ -124,9 +137,9 @@ class ClipDataset(torch.utils.data.Dataset):
     """Map-style dataset of clips `start .. start + length - 1` of `data_seed`, rendered on demand."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, length: int, data_seed: int = 0, start: int = 0,
-                 supersample: int = 2) -> None:
+                 supersample: int = 2, script: ScriptConfig = ScriptConfig()) -> None:
         self.config, self.num_blocks, self.length = config, num_blocks, length
-        self.data_seed, self.start, self.supersample = data_seed, start, supersample
+        self.data_seed, self.start, self.supersample, self.script = data_seed, start, supersample, script
 
     def __len__(self) -> int:
         return self.length
@@ -134,7 +147,8 @@ class ClipDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         if not 0 <= index < self.length:
             raise IndexError(index)
-        clip = make_clip(self.data_seed, self.start + index, self.config, self.num_blocks, self.supersample)
+        clip = make_clip(self.data_seed, self.start + index, self.config, self.num_blocks, self.supersample,
+                         self.script)
         return {"video": clip.video, "actions": torch.from_numpy(actions_to_array(clip.frame_actions)),
                 "latent_poses": torch.from_numpy(clip.latent_poses), "intrinsics": torch.from_numpy(clip.intrinsics),
                 "world_seed": clip.world_seed}
@@ -156,7 +170,11 @@ def main() -> None:
     parser.add_argument("--size", help="HEIGHTxWIDTH (default: the embedded preset's)")
     parser.add_argument("--supersample", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--hold", type=float, default=0.0,
+                        help="probability that a block (from block 2 on) holds the previous block's keys")
     args = parser.parse_args()
+    if not 0.0 <= args.hold <= 1.0:
+        parser.error(f"--hold is a probability; got {args.hold}")
 
     config = PRESETS["embedded"]
     if args.size:
@@ -164,7 +182,8 @@ def main() -> None:
         config = dataclasses.replace(config, height=height, width=width)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    dataset = ClipDataset(config, args.blocks, args.clips, args.data_seed, args.start, args.supersample)
+    dataset = ClipDataset(config, args.blocks, args.clips, args.data_seed, args.start, args.supersample,
+                          ScriptConfig(hold=args.hold))
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=args.workers,
                                          worker_init_fn=_one_thread if args.workers else None)
     if not args.workers:

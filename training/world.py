@@ -38,17 +38,20 @@ says, and prompt switching changes nothing it relies on.
 
 Reproducible and resumable as training/vae.py: step s uses batch items s*batch .. of the data seed,
 each a pure function of (data_seed, item); RUN_DIR/last.pt holds model, optimizer, step and RNG.
-The frozen VAE's latents of the stored clips are computed once into RUN_DIR/latents.pt.
+The frozen VAE's latents of the stored clips are computed once into RUN_DIR/latents.pt; a run resumed
+with more stored clips (never fewer) encodes only the new ones and appends them.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -176,14 +179,14 @@ def _normalised_mean(vae: AutoencoderKLWan, video: torch.Tensor) -> torch.Tensor
 
 @torch.no_grad()
 def encode_clips(vae: AutoencoderKLWan, config: ModelConfig, stored: StoredClips, blocks: int,
-                 batch: int = 8, mirrored: bool = False) -> dict[str, torch.Tensor]:
-    """Per clip: latents [z, F, h, w] of its first `blocks` blocks, and the condition stream of its
-    start frame for those blocks (the one-shot encode of [start, zeros...], which the streamed
-    condition encoder equals). `mirrored`: of the clips' mirror images, with their mirrored keys."""
+                 batch: int = 8, mirrored: bool = False, first: int = 0) -> dict[str, torch.Tensor]:
+    """Per clip from `first` on: latents [z, F, h, w] of its first `blocks` blocks, and the condition
+    stream of its start frame for those blocks (the one-shot encode of [start, zeros...], which the
+    streamed condition encoder equals). `mirrored`: of the clips' mirror images, with their mirrored keys."""
     frames = config.pixel_frames_for_blocks(blocks)
     latents, conditions = [], []
-    for first in tqdm(range(0, len(stored), batch), desc="encode mirrored" if mirrored else "encode", unit="batch"):
-        videos = torch.stack([stored.video(i, 0, frames) for i in range(first, min(first + batch, len(stored)))])
+    for start in tqdm(range(first, len(stored), batch), desc="encode mirrored" if mirrored else "encode", unit="batch"):
+        videos = torch.stack([stored.video(i, 0, frames) for i in range(start, min(start + batch, len(stored)))])
         if mirrored:
             videos = videos.flip(-1)  # the VAE is not mirror-symmetric, so the mirror image is encoded itself
         latents.append(_normalised_mean(vae, videos))
@@ -191,9 +194,30 @@ def encode_clips(vae: AutoencoderKLWan, config: ModelConfig, stored: StoredClips
         condition_video[:, :, 0] = videos[:, :, 0]
         conditions.append(_normalised_mean(vae, condition_video))
     per_block = config.transformer.num_frames_per_block
-    actions = [stored.items[i]["actions"][: blocks * per_block].astype(np.uint8) for i in range(len(stored))]
+    actions = [stored.items[i]["actions"][: blocks * per_block].astype(np.uint8) for i in range(first, len(stored))]
     actions = torch.stack([torch.from_numpy(mirror_actions(a) if mirrored else a) for a in actions])
     return {"latents": torch.cat(latents), "conditions": torch.cat(conditions), "actions": actions}
+
+
+def cached_encoding(path: Path, vae: AutoencoderKLWan, config: ModelConfig, stored: Callable[[], StoredClips],
+                    count: int, blocks: int, mirrored: bool = False) -> dict[str, torch.Tensor]:
+    """encode_clips of clips 0 .. count - 1, kept at `path`. A cache of fewer clips (a run whose
+    data grew on resume) is extended by the new clips only: encoding is most of a run's start-up.
+    A cache of more (a run that grew its data, then stopped before its first checkpoint under the
+    new count) gives its first `count`. `stored` gives the clips; it is called only when something
+    must be encoded."""
+    cached = torch.load(path, weights_only=True) if path.exists() else None
+    have = 0 if cached is None else len(cached["latents"])
+    if have > count:
+        return {key: value[:count] for key, value in cached.items()}
+    if have < count:
+        clips = stored()
+        if len(clips) != count:
+            raise ValueError(f"{count} clips asked, {len(clips)} given")
+        new = encode_clips(vae, config, clips, blocks, mirrored=mirrored, first=have)
+        cached = new if cached is None else {key: torch.cat([cached[key], new[key]]) for key in new}
+        save_atomically(cached, path)
+    return cached
 
 
 def block_pluckers(config: ModelConfig, frame_actions, blocks: int) -> torch.Tensor:
@@ -376,14 +400,12 @@ class WorldData:
     """Latents, conditions, Plücker maps and masks of the stored clips, in memory."""
 
     def __init__(self, tc: WorldTrainConfig, config: ModelConfig, vae: AutoencoderKLWan, run_dir: Path) -> None:
-        stored = None
-        parts = []
-        for name, mirrored in ((LATENTS, False), (MIRRORED_LATENTS, True))[: 2 if tc.mirror else 1]:
-            path = run_dir / name
-            if not path.exists():
-                stored = stored or StoredClips(tc.clips_dir, tc.stored_clips)
-                save_atomically(encode_clips(vae, config, stored, tc.blocks, mirrored=mirrored), path)
-            parts.append(torch.load(path, weights_only=True))
+        @functools.cache
+        def stored() -> StoredClips:  # read once, only if something must be encoded
+            return StoredClips(tc.clips_dir, tc.stored_clips)
+
+        parts = [cached_encoding(run_dir / name, vae, config, stored, tc.stored_clips, tc.blocks, mirrored)
+                 for name, mirrored in ((LATENTS, False), (MIRRORED_LATENTS, True))[: 2 if tc.mirror else 1]]
         # Clips 0 .. N-1 are the stored clips, N .. 2N-1 their mirror images (with --mirror).
         encoded = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
         self.latents, self.conditions = encoded["latents"], encoded["conditions"]
@@ -447,6 +469,10 @@ def load_checkpoint(run_dir: Path, tc: WorldTrainConfig | None = None) -> tuple[
     if tc is not None:
         diff = {k: (v, getattr(tc, k)) for k, v in dataclasses.asdict(saved).items()
                 if k not in ignore and getattr(tc, k) != v}
+        # More stored clips may join a run on resume (their encodings are appended to the cache);
+        # fewer would silently drop data the run was trained on.
+        if "stored_clips" in diff and tc.stored_clips > saved.stored_clips:
+            del diff["stored_clips"]
         if diff:
             raise ValueError(f"{path} was trained with other settings (checkpoint, asked): {diff}")
     return saved, state
@@ -455,6 +481,8 @@ def load_checkpoint(run_dir: Path, tc: WorldTrainConfig | None = None) -> tuple[
 def train(tc: WorldTrainConfig, run_dir: Path, steps: int, checkpoint_every: int = 25,
           progress: bool = True) -> CausalLingBotWorldTransformer3DModel:
     run_dir.mkdir(parents=True, exist_ok=True)
+    # A resume under refused settings stops here, before any clip is encoded for it.
+    state = load_checkpoint(run_dir, tc)[1] if (run_dir / CHECKPOINT).exists() else None
     vae = load_vae(tc.vae)
     config = model_config(vae)
     check_streamable(vae, config)
@@ -466,8 +494,7 @@ def train(tc: WorldTrainConfig, run_dir: Path, steps: int, checkpoint_every: int
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.99))
     generator = torch.Generator().manual_seed(tc.seed)
     step = 0
-    if (run_dir / CHECKPOINT).exists():
-        _, state = load_checkpoint(run_dir, tc)
+    if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["rng"])
