@@ -10,8 +10,9 @@ from its seed and resumable from any index (`--start`), and two workers never ne
 A key script mirrors the app: block 0 carries no key (keys act from the next block on), every
 later block holds a key set (none, one key, or two keys that do not cancel), and some blocks press
 it for only part of the block. With `--hold P` each block from block 2 on repeats the previous
-block's keys, for the whole block, with probability P: the long holds of real play. Poses come from the camera module's integrator
-(`key_path`), so the Plücker maps computed from `frame_actions` in training are exactly the demo's.
+block's keys, for the whole block, with probability P: the long holds of real play. Poses come from
+the camera module's integrator (`key_path`), so the Plücker maps computed from `frame_actions` in
+training are exactly the demo's.
 
 The command writes one `clip_<i>.npz` per clip: `video` uint8 [T, H, W, 3] (T = 12N - 3 pixel frames),
 `actions` uint8 [L, 8] (one row per latent frame, columns in KEY_ORDER), `latent_poses` [L, 4, 4]
@@ -53,6 +54,10 @@ class ScriptConfig:
     # setting existed are unchanged.
     hold: float = 0.0
 
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.hold <= 1.0:
+            raise ValueError(f"hold is a probability; got {self.hold}")
+
 
 class Clip(NamedTuple):
     world_seed: int
@@ -67,8 +72,6 @@ def sample_script(rng: np.random.Generator, num_blocks: int, frames_per_block: i
                   cfg: ScriptConfig = ScriptConfig()) -> tuple[frozenset[str], ...]:
     """Per-latent-frame key sets for `num_blocks` blocks; block 0 is always still."""
     keys, weights = list(_KEY_WEIGHTS), np.array(list(_KEY_WEIGHTS.values()))
-    if not 0.0 <= cfg.hold <= 1.0:
-        raise ValueError(f"hold is a probability; got {cfg.hold}")
     frames: list[frozenset[str]] = [frozenset()] * frames_per_block
     previous: frozenset[str] = frozenset()
     for index in range(1, num_blocks):
@@ -173,8 +176,10 @@ def main() -> None:
     parser.add_argument("--hold", type=float, default=0.0,
                         help="probability that a block (from block 2 on) holds the previous block's keys")
     args = parser.parse_args()
-    if not 0.0 <= args.hold <= 1.0:
-        parser.error(f"--hold is a probability; got {args.hold}")
+    try:
+        script = ScriptConfig(hold=args.hold)
+    except ValueError as error:
+        parser.error(f"--{error}")
 
     config = PRESETS["embedded"]
     if args.size:
@@ -182,8 +187,7 @@ def main() -> None:
         config = dataclasses.replace(config, height=height, width=width)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    dataset = ClipDataset(config, args.blocks, args.clips, args.data_seed, args.start, args.supersample,
-                          ScriptConfig(hold=args.hold))
+    dataset = ClipDataset(config, args.blocks, args.clips, args.data_seed, args.start, args.supersample, script)
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=args.workers,
                                          worker_init_fn=_one_thread if args.workers else None)
     if not args.workers:

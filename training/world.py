@@ -211,10 +211,7 @@ def cached_encoding(path: Path, vae: AutoencoderKLWan, config: ModelConfig, stor
     if have > count:
         return {key: value[:count] for key, value in cached.items()}
     if have < count:
-        clips = stored()
-        if len(clips) != count:
-            raise ValueError(f"{count} clips asked, {len(clips)} given")
-        new = encode_clips(vae, config, clips, blocks, mirrored=mirrored, first=have)
+        new = encode_clips(vae, config, stored(), blocks, mirrored=mirrored, first=have)
         cached = new if cached is None else {key: torch.cat([cached[key], new[key]]) for key in new}
         save_atomically(cached, path)
     return cached
