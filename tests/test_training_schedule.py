@@ -1,4 +1,5 @@
-"""training.world's learning-rate schedule: constant, then a linear fall that ends at lr * lr_final."""
+"""The learning-rate schedule of training.world and training.vae: constant, then a linear fall that ends at
+lr * lr_final."""
 
 import pytest
 
@@ -26,3 +27,12 @@ def test_the_rate_falls_linearly_from_the_decay_step_to_the_final_share():
 def test_a_final_share_outside_the_unit_interval_is_refused():
     with pytest.raises(ValueError, match="lr_final"):
         _config(lr_final=0.0)
+
+
+def test_the_vae_run_has_the_same_schedule_and_keeps_a_constant_rate_by_default():
+    from training.vae import VaeTrainConfig
+    assert {VaeTrainConfig(lr=2e-4).learning_rate(s, 50) for s in range(51)} == {2e-4}
+    world, vae = _config(lr_decay_from=10, lr_final=0.2), VaeTrainConfig(lr=4e-4, lr_decay_from=10, lr_final=0.2)
+    assert [vae.learning_rate(s, 40) for s in range(41)] == [world.learning_rate(s, 40) for s in range(41)]
+    with pytest.raises(ValueError, match="lr_final"):
+        VaeTrainConfig(lr_final=1.5)

@@ -15,8 +15,9 @@ from lingbot_core.config import tiny_config
 from lingbot_core.loading import load_folder
 from tests.checkpoint_writer import write_tiny_checkpoint
 from training.data import make_clip
-from training.vae import (CHECKPOINT, LOG, VaeTrainConfig, export_vae, load_checkpoint, measured_latent_stats,
-                          new_optimizer, new_vae, stream_reconstruct, train, train_step)
+from training.vae import (CHECKPOINT, EXPORT_WEIGHTS, LOG, VaeTrainConfig, export_vae, load_checkpoint,
+                          measured_latent_stats, new_optimizer, new_vae, start_latent_stats, stream_reconstruct, train,
+                          train_step)
 
 TINY = VaeTrainConfig(height=32, width=32, base_dim=4, decoder_base_dim=None, z_dim=4, blocks=1, batch=1,
                       lr=2e-3, supersample=1)
@@ -99,3 +100,38 @@ def test_export_loads_through_the_loader_and_reconstructs_the_same(tmp_path, str
     # Not vacuous: a VAE with other weights reconstructs differently.
     other_clip, _ = stream_reconstruct(new_vae(TINY), config, video)
     assert (other_clip - want_clip).abs().max() > 0.1
+
+
+def test_a_decoder_only_run_from_an_export_keeps_its_encoder_and_statistics(tmp_path, straight_run):
+    """A machine without the VAE's run folder fine-tunes the decoder from the exported folder: the new export's
+    encoder is the old one bit for bit, its latents statistics are the old ones (so a world model trained on
+    the old export reads the same latents), and only the decoder changed."""
+    _, vae = straight_run
+    start = export_vae(vae, tmp_path / "start", [0.5, -0.25, 0.125, 1.0], [2.0, 0.5, 1.5, 0.75])
+    tc = VaeTrainConfig(**{**TINY.__dict__, "init_from": str(start), "decoder_only": True, "posterior": "mean",
+                           "lr": 1e-2})
+    trained = train(tc, tmp_path / "run", 2)
+    assert start_latent_stats(tc) == ([0.5, -0.25, 0.125, 1.0], [2.0, 0.5, 1.5, 0.75])
+    again = export_vae(trained, tmp_path / "again", *start_latent_stats(tc))
+
+    from safetensors.torch import load_file
+    before, after = load_file(start / EXPORT_WEIGHTS), load_file(again / EXPORT_WEIGHTS)
+    assert before.keys() == after.keys()
+    encoder = [k for k in before if k.startswith(("encoder.", "quant_conv."))]
+    decoder = [k for k in before if k.startswith(("decoder.", "post_quant_conv."))]
+    assert encoder and decoder
+    assert all(torch.equal(before[k], after[k]) for k in encoder)
+    assert any(not torch.equal(before[k], after[k]) for k in decoder)
+    config = json.loads((again / "config.json").read_text())
+    assert config["latents_mean"] == [0.5, -0.25, 0.125, 1.0] and config["latents_std"] == [2.0, 0.5, 1.5, 0.75]
+    # A run that trains the encoder too, or starts from a run folder, measures its statistics instead.
+    assert start_latent_stats(VaeTrainConfig(**{**tc.__dict__, "decoder_only": False})) is None
+
+
+def test_an_export_of_another_size_is_refused_by_name(tmp_path, straight_run):
+    _, vae = straight_run
+    start = export_vae(vae, tmp_path / "start", [0.0] * 4, [1.0] * 4)
+    wider = VaeTrainConfig(**{**TINY.__dict__, "base_dim": 8, "init_from": str(start), "decoder_only": True})
+    with pytest.raises(ValueError, match="another size"):
+        train(wider, tmp_path / "run", 1)
+    assert not (tmp_path / "run" / CHECKPOINT).exists()

@@ -1,4 +1,5 @@
-"""What every training run folder shares: an atomic checkpoint write and a log trimmed back to it on resume."""
+"""What every training run shares: an atomic checkpoint write, a log trimmed back to it on resume, and the
+learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -25,3 +26,13 @@ def trim_log(path: Path, last_step: int) -> None:
     partial = path.with_name(path.name + ".tmp")
     partial.write_text("".join(line + "\n" for line in kept))
     os.replace(partial, path)
+
+
+def decayed_rate(lr: float, step: int, steps: int, decay_from: int, final: float) -> float:
+    """Constant, then a linear fall from step `decay_from` to lr * `final` at the run's last step (`steps`);
+    decay_from < 0: constant. A long run at a high rate learns fast but its weights jitter; the fall settles
+    them. The fall follows `steps`, so a resume with more steps stretches what is left of it."""
+    if decay_from < 0 or step < decay_from or steps <= decay_from:
+        return lr
+    done = min(1.0, (step - decay_from) / (steps - decay_from))
+    return lr * (1.0 - (1.0 - final) * done)

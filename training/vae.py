@@ -1,8 +1,9 @@
 """Train the embedded preset's VAE (diffusers' AutoencoderKLWan) on rendered clips of train worlds.
 
     python -m training.vae --steps 20000 [--size 96x160] [--base-dim 16] [--decoder-base-dim 8] [--z-dim 16]
-                           [--blocks 1] [--batch 2] [--lr 2e-4] [--kl-weight 1e-6] [--loss l1] [--seed 0]
-                           [--data-seed 0] [--run-dir DIR] [--eval-every 500] [--checkpoint-every 100]
+                           [--blocks 1] [--batch 2] [--lr 2e-4] [--lr-decay-from -1] [--lr-final 0.1]
+                           [--kl-weight 1e-6] [--loss l1] [--seed 0] [--init-from RUN_OR_EXPORT] [--decoder-only]
+                           [--data-seed 0] [--run-dir DIR] [--eval-every 500] [--eval-blocks 2] [--checkpoint-every 100]
                            [--workers 1] [--threads 1]
     python -m training.vae --run-dir DIR --export OUT      # OUT/vae/: fp16 safetensors, diffusers layout
 
@@ -31,7 +32,9 @@ encoder equals), `psnr_image` encodes the start frame as the condition stream do
 --export writes OUT/vae/ (config.json + diffusion_pytorch_model.safetensors, float16) as
 `AutoencoderKLWan.save_pretrained` does, the folder the checkpoint loader reads (lingbot_core/loading.py),
 with latents_mean / latents_std measured on --stats-clips train clips, so the transformer sees
-normalised latents.
+normalised latents. A decoder-only run started from an exported folder keeps that folder's statistics
+instead: its encoder is that folder's encoder, bit for bit, so a world model trained on the old export
+reads the new one's latents exactly as before, and only the decoded pixels change.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 from lingbot_core.config import PRESETS, ModelConfig
@@ -57,11 +61,12 @@ from lingbot_core.model.vae_stream import (ConditionStream, DecoderStream, build
                                            decode_block, decode_latent_frame, encode_condition_block)
 from lingbot_core.world import HELD_OUT_SEEDS
 from training.data import ClipDataset, StoredClips, make_clip
-from training.runs import save_atomically, trim_log
+from training.runs import decayed_rate, save_atomically, trim_log
 
 CHECKPOINT = "last.pt"
 LOG = "log.jsonl"
 CHECKPOINT_FORMAT = 1
+EXPORT_WEIGHTS = "diffusion_pytorch_model.safetensors"
 EVAL_DATA_SEED = 0  # held-out clips i = 0 .. eval_clips - 1 of this data seed: the same clips at every evaluation
 
 
@@ -74,9 +79,16 @@ class VaeTrainConfig:
     base_dim: int = 16
     decoder_base_dim: int | None = 8
     z_dim: int = 16
-    blocks: int = 1  # clip length in blocks: 12 * blocks - 3 pixel frames
+    # Window length in blocks: 12 * blocks - 3 pixel frames. The causal encoder and decoder learn only the
+    # frame positions a window holds, while a session streams far past them: the shipped encoder, trained
+    # on 1-block windows, gives drifting latents after its 9 frames (so do the world model's targets, which
+    # it encoded), and a decoder trained on 1-block windows decodes those at 14-20 dB against 23 dB for
+    # the first block. Its last stage is therefore decoder-only on whole 6-block clips.
+    blocks: int = 1
     batch: int = 2
     lr: float = 2e-4
+    lr_decay_from: int = -1  # from this step on the rate falls linearly to lr * lr_final (-1: constant)
+    lr_final: float = 0.1
     weight_decay: float = 0.01
     kl_weight: float = 1e-6
     loss: str = "l1"
@@ -91,9 +103,10 @@ class VaeTrainConfig:
     stored_clips: int = 0
     crop_height: int = 0
     crop_width: int = 0
-    # Second stage: start from another run's weights (init_from: its run folder) and train the decoder
-    # only, on the posterior mean. The encoder, and so the latent space a world model was trained on,
-    # stay exactly as they were, while the decoder keeps improving (on whole frames, for example).
+    # Second stage: start from other weights (init_from: a run folder, or an exported vae/ folder, which
+    # is all a machine without the run has) and train the decoder only, on the posterior mean. The
+    # encoder, and so the latent space a world model was trained on, stay exactly as they were, while the
+    # decoder keeps improving (on whole frames, for example).
     init_from: str | None = None
     decoder_only: bool = False
     # "sample": decode a sample of the posterior (the Wan recipe); "mean": decode its mean, as the world
@@ -111,6 +124,8 @@ class VaeTrainConfig:
                 raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
         if self.decoder_base_dim is not None and self.decoder_base_dim < 1:
             raise ValueError(f"decoder_base_dim must be at least 1; got {self.decoder_base_dim}")
+        if not 0.0 < self.lr_final <= 1.0:
+            raise ValueError(f"lr_final must be within (0, 1]; got {self.lr_final}")
         if not (self.lr > 0 and math.isfinite(self.lr)) or self.kl_weight < 0 or self.weight_decay < 0:
             raise ValueError("lr must be positive, kl_weight and weight_decay non-negative")
         if self.clips_dir is not None and self.stored_clips < 1:
@@ -130,6 +145,9 @@ class VaeTrainConfig:
         transformer = dataclasses.replace(base.transformer, out_channels=self.z_dim,
                                           in_channels=2 * self.z_dim + base.transformer.mask_channels)
         return dataclasses.replace(base, height=self.height, width=self.width, vae=vae, transformer=transformer)
+
+    def learning_rate(self, step: int, steps: int) -> float:
+        return decayed_rate(self.lr, step, steps, self.lr_decay_from, self.lr_final)
 
     def default_run_dir(self) -> Path:
         name = f"{self.height}x{self.width}-b{self.base_dim}-d{self.decoder_base_dim}-z{self.z_dim}-s{self.seed}"
@@ -330,8 +348,7 @@ def train(tc: VaeTrainConfig, run_dir: Path, steps: int, *, workers: int = 0, ev
         step = state["step"]
         trim_log(run_dir / LOG, step)
     elif tc.init_from:
-        _, start = load_checkpoint(Path(tc.init_from).expanduser())
-        vae.load_state_dict(start["model"])
+        load_start(vae, Path(tc.init_from).expanduser())
     if step >= steps:
         return vae
 
@@ -340,6 +357,8 @@ def train(tc: VaeTrainConfig, run_dir: Path, steps: int, *, workers: int = 0, ev
     with open(run_dir / LOG, "a") as log:
         started = time.perf_counter()
         for video in batches(tc, step, steps, workers):
+            for group in optimizer.param_groups:
+                group["lr"] = tc.learning_rate(step, steps)
             terms = train_step(vae, optimizer, video, tc, generator)
             step += 1
             record = {"step": step, **{k: round(v, 6) for k, v in terms.items()},
@@ -354,6 +373,37 @@ def train(tc: VaeTrainConfig, run_dir: Path, steps: int, *, workers: int = 0, ev
                 save_checkpoint(run_dir, tc, step, vae, optimizer, generator)
     bar.close()
     return vae
+
+
+def is_export(folder: Path) -> bool:
+    """An exported vae/ folder (diffusers layout) rather than a run folder."""
+    return (folder / "config.json").exists() and (folder / EXPORT_WEIGHTS).exists()
+
+
+def load_start(vae: AutoencoderKLWan, folder: Path) -> None:
+    """Load `init_from`'s weights into `vae`: a run folder's checkpoint, or an exported vae/ folder."""
+    if not is_export(folder):
+        _, start = load_checkpoint(folder)
+        vae.load_state_dict(start["model"])
+        return
+    weights = {k: v.float() for k, v in load_file(folder / EXPORT_WEIGHTS).items()}
+    try:
+        vae.load_state_dict(weights)
+    except RuntimeError as error:  # another size: say so without the whole state-dict listing
+        config = json.loads((folder / "config.json").read_text())
+        raise ValueError(f"{folder} holds a VAE of another size (base_dim {config.get('base_dim')}, "
+                         f"decoder_base_dim {config.get('decoder_base_dim')}, z_dim {config.get('z_dim')}) than "
+                         f"this run's ({vae.config.base_dim}, {vae.config.decoder_base_dim}, {vae.config.z_dim})"
+                         ) from error
+
+
+def start_latent_stats(tc: VaeTrainConfig) -> tuple[list[float], list[float]] | None:
+    """The latents statistics a run's export must keep: those of the exported folder a decoder-only run
+    started from (its encoder is that folder's, unchanged); None where they are to be measured."""
+    if not (tc.decoder_only and tc.init_from and is_export(Path(tc.init_from).expanduser())):
+        return None
+    config = json.loads((Path(tc.init_from).expanduser() / "config.json").read_text())
+    return list(config["latents_mean"]), list(config["latents_std"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,7 +443,8 @@ def _config_from_args(args: argparse.Namespace) -> VaeTrainConfig:
     crop = tuple(int(v) for v in args.crop.lower().split("x")) if args.crop else (0, 0)
     return VaeTrainConfig(height=height, width=width, base_dim=args.base_dim,
                           decoder_base_dim=args.decoder_base_dim or None, z_dim=args.z_dim, blocks=args.blocks,
-                          batch=args.batch, lr=args.lr, weight_decay=args.weight_decay, kl_weight=args.kl_weight,
+                          batch=args.batch, lr=args.lr, lr_decay_from=args.lr_decay_from, lr_final=args.lr_final,
+                          weight_decay=args.weight_decay, kl_weight=args.kl_weight,
                           loss=args.loss, seed=args.seed, data_seed=args.data_seed, supersample=args.supersample,
                           clips_dir=args.clips_dir, stored_clips=args.stored_clips, crop_height=crop[0],
                           crop_width=crop[1], init_from=args.init_from, decoder_only=args.decoder_only,
@@ -411,6 +462,9 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=d.blocks)
     parser.add_argument("--batch", type=int, default=d.batch)
     parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--lr-decay-from", type=int, default=d.lr_decay_from,
+                        help="from this step on the rate falls linearly to lr * --lr-final at --steps (-1: constant)")
+    parser.add_argument("--lr-final", type=float, default=d.lr_final)
     parser.add_argument("--weight-decay", type=float, default=d.weight_decay)
     parser.add_argument("--kl-weight", type=float, default=d.kl_weight)
     parser.add_argument("--loss", choices=("l1", "mse"), default=d.loss)
@@ -420,13 +474,14 @@ def main() -> None:
     parser.add_argument("--clips-dir", help="train on the clips stored here (python -m training.data) instead of rendering")
     parser.add_argument("--stored-clips", type=int, default=0, help="how many stored clips (0 .. N-1) to use")
     parser.add_argument("--crop", help="HxW crops of the stored clips (multiples of 16)")
-    parser.add_argument("--init-from", help="start from this run folder's weights")
+    parser.add_argument("--init-from", help="start from this run folder's weights, or an exported vae/ folder's")
     parser.add_argument("--decoder-only", action="store_true", help="train the decoder only (encoder frozen)")
     parser.add_argument("--posterior", choices=("sample", "mean"), default="sample",
                         help="decode a posterior sample (Wan's recipe) or its mean")
     parser.add_argument("--run-dir", help="checkpoint and log folder (default under ~/.cache/lingbot/train/vae/)")
     parser.add_argument("--eval-every", type=int, default=500)
     parser.add_argument("--eval-clips", type=int, default=4)
+    parser.add_argument("--eval-blocks", type=int, default=2, help="length of the held-out clips in blocks")
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--workers", type=int, default=1, help="render processes (0: render in this process)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the training process")
@@ -443,8 +498,9 @@ def main() -> None:
             tc, state = load_checkpoint(run_dir)
             vae = new_vae(tc)
             vae.load_state_dict(state["model"])
-            scores = evaluate(vae, tc, held_out_clips(tc, args.eval_clips, 2))
-            print(f"step {state['step']}: held-out PSNR {scores['psnr']:.2f} dB (clips of 2 blocks, streamed decode), "
+            scores = evaluate(vae, tc, held_out_clips(tc, args.eval_clips, args.eval_blocks))
+            print(f"step {state['step']}: held-out PSNR {scores['psnr']:.2f} dB (clips of {args.eval_blocks} blocks, "
+                  "streamed decode), "
                   f"{scores['psnr_image']:.2f} dB (start frame through the condition encoder), "
                   f"{args.eval_clips} clips")
             return
@@ -454,7 +510,7 @@ def main() -> None:
             tc, state = load_checkpoint(run_dir)  # the checkpoint's own settings
             vae = new_vae(tc)
             vae.load_state_dict(state["model"])
-            mean, std = measured_latent_stats(vae, tc, args.stats_clips)
+            mean, std = start_latent_stats(tc) or measured_latent_stats(vae, tc, args.stats_clips)
             folder = export_vae(vae, Path(args.export), mean, std)
             print(f"step {state['step']} -> {folder}")
             return
@@ -462,7 +518,8 @@ def main() -> None:
             parser.error("--steps (total steps of the run) is required to train")
         print(f"run {run_dir}")
         train(tc, run_dir, args.steps, workers=args.workers, eval_every=args.eval_every,
-              eval_clips=args.eval_clips, checkpoint_every=args.checkpoint_every, progress=True)
+              eval_clips=args.eval_clips, eval_blocks=args.eval_blocks, checkpoint_every=args.checkpoint_every,
+              progress=True)
     except (ValueError, FloatingPointError) as error:
         parser.exit(2, f"error: {error}\n")
 

@@ -66,7 +66,7 @@ from lingbot_core.model.cpu_kernels import use_fast_cpu_kernels
 from lingbot_core.model.transformer import CausalLingBotWorldTransformer3DModel
 from lingbot_core.model.vae_stream import check_streamable, condition_mask
 from training.data import StoredClips, array_to_actions, mirror_actions
-from training.runs import save_atomically, trim_log
+from training.runs import decayed_rate, save_atomically, trim_log
 
 CHECKPOINT = "last.pt"
 LOG = "log.jsonl"
@@ -141,12 +141,7 @@ class WorldTrainConfig:
         return int(rng.integers(1, self.position_shift_blocks + 1)) * frames_per_block
 
     def learning_rate(self, step: int, steps: int) -> float:
-        """Constant, then a linear fall from lr_decay_from to lr * lr_final at the run's last step: a long
-        run at a high rate learns fast but its weights jitter; the short fall settles them."""
-        if self.lr_decay_from < 0 or step < self.lr_decay_from or steps <= self.lr_decay_from:
-            return self.lr
-        done = min(1.0, (step - self.lr_decay_from) / (steps - self.lr_decay_from))
-        return self.lr * (1.0 - (1.0 - self.lr_final) * done)
+        return decayed_rate(self.lr, step, steps, self.lr_decay_from, self.lr_final)
 
 
 def model_config(vae: AutoencoderKLWan) -> ModelConfig:
