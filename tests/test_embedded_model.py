@@ -41,7 +41,7 @@ def test_the_shipped_vae_streams_the_end_of_a_long_clip_about_as_well_as_its_sta
     """The streamed round trip a session runs (the causal encoder over the whole clip, the decoder block by
     block with its carried cache) on 6-block clips of held-out worlds: the last three blocks come back within
     LATE_MARGIN_DB of the first. Regression: the decoder trained only on 9-frame windows fell from about
-    23 dB at block 0 to 14-20 dB from block 2 on, far below what a fresh decoder makes of the same frames."""
+    23-26 dB at block 0 to 13-19 dB from block 2 on."""
     from lingbot_core.world import HELD_OUT_SEEDS
     from training.data import make_clip
     from training.vae import psnr, stream_reconstruct
