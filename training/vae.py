@@ -53,6 +53,7 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
 from safetensors.torch import load_file
 from tqdm import tqdm
 
@@ -66,7 +67,7 @@ from training.runs import decayed_rate, save_atomically, trim_log
 CHECKPOINT = "last.pt"
 LOG = "log.jsonl"
 CHECKPOINT_FORMAT = 1
-EXPORT_WEIGHTS = "diffusion_pytorch_model.safetensors"
+EXPORT_WEIGHTS = SAFETENSORS_WEIGHTS_NAME  # the file save_pretrained writes in OUT/vae/
 EVAL_DATA_SEED = 0  # held-out clips i = 0 .. eval_clips - 1 of this data seed: the same clips at every evaluation
 
 
