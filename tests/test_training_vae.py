@@ -15,9 +15,9 @@ from lingbot_core.config import tiny_config
 from lingbot_core.loading import load_folder
 from tests.checkpoint_writer import write_tiny_checkpoint
 from training.data import make_clip
-from training.vae import (CHECKPOINT, EXPORT_WEIGHTS, LOG, VaeTrainConfig, export_vae, load_checkpoint,
-                          measured_latent_stats, new_optimizer, new_vae, start_latent_stats, stream_reconstruct, train,
-                          train_step)
+from training.vae import (CHECKPOINT, EXPORT_WEIGHTS, LOG, VaeTrainConfig, block_psnr, export_vae, load_checkpoint,
+                          measured_latent_stats, new_optimizer, new_vae, psnr, start_latent_stats, stream_reconstruct,
+                          train, train_step)
 
 TINY = VaeTrainConfig(height=32, width=32, base_dim=4, decoder_base_dim=None, z_dim=4, blocks=1, batch=1,
                       lr=2e-3, supersample=1)
@@ -135,3 +135,15 @@ def test_an_export_of_another_size_is_refused_by_name(tmp_path, straight_run):
     with pytest.raises(ValueError, match="another size"):
         train(wider, tmp_path / "run", 1)
     assert not (tmp_path / "run" / CHECKPOINT).exists()
+
+
+def test_block_psnr_scores_each_block_of_the_streamed_clip(straight_run):
+    _, vae = straight_run
+    config = TINY.model_config()
+    clips = [make_clip(0, i, config, 2, 1, world_seeds=range(1_000_000, 1_000_002)).video for i in range(2)]
+    want = []
+    for video in clips:
+        recon, _ = stream_reconstruct(vae, config, video)
+        want.append([psnr(recon[:, :9], video[:, :9]), psnr(recon[:, 9:21], video[:, 9:21])])
+    assert video.shape[1] == 21
+    assert block_psnr(vae, TINY, clips) == pytest.approx([(a + b) / 2 for a, b in zip(*want)])

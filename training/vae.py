@@ -6,6 +6,7 @@
                            [--data-seed 0] [--run-dir DIR] [--eval-every 500] [--eval-blocks 2] [--checkpoint-every 100]
                            [--workers 1] [--threads 1]
     python -m training.vae --run-dir DIR --export OUT      # OUT/vae/: fp16 safetensors, diffusers layout
+    python -m training.vae --run-dir DIR_OR_OUT/vae --evaluate [--eval-clips 4] [--eval-blocks 2]  # held-out PSNR
 
 The model is the same class and checkpoint layout as the real model's VAE, at the size given here.
 Loss: a pixel reconstruction term (L1 or MSE) of a sample of the posterior, plus a small KL term
@@ -265,6 +266,20 @@ def evaluate(vae: AutoencoderKLWan, tc: VaeTrainConfig, clips: list[torch.Tensor
     return {"psnr": float(np.mean(clip_psnr)), "psnr_image": float(np.mean(image_psnr))}
 
 
+def block_psnr(vae: AutoencoderKLWan, tc: VaeTrainConfig, clips: list[torch.Tensor]) -> list[float]:
+    """Mean PSNR per block index over the held-out clips, streamed as a session streams: a causal VAE
+    can be good at block 0 and poor later (a window shorter than the session), which a clip mean hides."""
+    model_config = tc.model_config()
+    blocks = []
+    for video in clips:
+        recon, _ = stream_reconstruct(vae, model_config, video)
+        count = (video.shape[1] + model_config.vae_temporal_factor - 1) // model_config.pixel_frames_per_block
+        bounds = [0] + [model_config.pixel_frames_for_blocks(b) for b in range(1, count + 1)]
+        blocks.append([psnr(recon[:, a:b], video[:, a:b]) for a, b in zip(bounds, bounds[1:])])
+    vae.train()
+    return np.mean(blocks, axis=0).tolist()
+
+
 # ---------------------------------------------------------------------------------------------
 # Run state
 
@@ -496,14 +511,20 @@ def main() -> None:
         tc = _config_from_args(args)
         run_dir = Path(args.run_dir).expanduser() if args.run_dir else tc.default_run_dir()
         if args.evaluate:
-            tc, state = load_checkpoint(run_dir)
-            vae = new_vae(tc)
-            vae.load_state_dict(state["model"])
-            scores = evaluate(vae, tc, held_out_clips(tc, args.eval_clips, args.eval_blocks))
-            print(f"step {state['step']}: held-out PSNR {scores['psnr']:.2f} dB (clips of {args.eval_blocks} blocks, "
+            if is_export(run_dir):  # an exported vae/ folder of this command's sizes
+                vae, label = new_vae(tc), str(run_dir)
+                load_start(vae, run_dir)
+            else:
+                tc, state = load_checkpoint(run_dir)
+                vae, label = new_vae(tc), f"step {state['step']}"
+                vae.load_state_dict(state["model"])
+            clips = held_out_clips(tc, args.eval_clips, args.eval_blocks)
+            scores = evaluate(vae, tc, clips)
+            print(f"{label}: held-out PSNR {scores['psnr']:.2f} dB (clips of {args.eval_blocks} blocks, "
                   "streamed decode), "
                   f"{scores['psnr_image']:.2f} dB (start frame through the condition encoder), "
-                  f"{args.eval_clips} clips")
+                  f"{args.eval_clips} clips; per block: "
+                  + ", ".join(f"{value:.2f}" for value in block_psnr(vae, tc, clips)))
             return
         if args.export:
             if not (run_dir / CHECKPOINT).exists():
