@@ -660,8 +660,8 @@ def _header(config, engine: Engine) -> str:
         text += ("\n\n> The embedded model is a **small model trained on a procedural 3D world** (seeded skies, "
                  "ground, trees, rocks, houses and pillars; `lingbot_core/world/`), never on real footage. This is "
                  "an undertrained checkpoint: it draws a blurred version of the start picture and moves it with the "
-                 "keys, though less far than the true camera moves (its model card in `lingbot_core/embedded_model/` has the "
-                 "figures). Start "
+                 "keys, about as far as the true camera at first and less far over long holds (its model card in "
+                 "`lingbot_core/embedded_model/` has the figures). Start "
                  "from one of its worlds (an example or **New world**) and tick **Ground truth** to see the true "
                  "world beside it. For real pictures run the real checkpoint with `--model`.")
     return text

@@ -17,15 +17,19 @@ Measured (lingbot_core/world/metrics.py holds every estimator):
   baselines: the start picture repeated, and the same architecture with random weights (the preset
   built from its seed, `random_weights_pipeline`; on the first `--baseline-worlds` worlds only: it costs
   as much as the model and barely varies). Target: model >= repeat + 3 dB, averaged over blocks 1-8.
-- action following: for every block b >= 1 and every key it holds, the key's motion (turn: whole-frame
-  phase correlation in x; pitch: in y; walk: expansion of the halves; step: lateral shift of the lower
-  half) summed over the block's consecutive frame pairs (pixel frames 12b-4 -> 12b+8), on the generated
-  frames and on the ground truth alike. Blocks whose true motion is under MIN_TRUE_MOTION_PX (a pitch
+- action following: for every block b >= 1 and every key it holds, the key's motion (turn: the whole
+  frame's translation in x, phase correlation refined by least squares; pitch: in y; walk: expansion of
+  the halves; step: lateral shift of the lower half; metrics.py says why the refinement) summed over
+  the block's consecutive frame pairs (pixel frames 12b-4 -> 12b+8), on the generated frames and on the
+  ground truth alike. Blocks whose true motion is under MIN_TRUE_MOTION_PX (a pitch
   held at its limit) are left out and counted. Targets: the generated motion has the true sign in >= 95%
   of blocks; its magnitude is within 30% of the truth's: the median ratio |generated| / |true| per kind
   of motion (turn, pitch, walk, step) lies in [0.7, 1.3] (the share of blocks within 30% is printed too).
 - no collapse: on every seed's walk, the last block's pixel mean, contrast (std) and high-frequency
   energy (mean |Laplacian|) are within 20% of block 4's.
+- the ceiling: the ground truth's round trip through the model's own VAE, streamed as a session
+  streams (`training.vae.stream_reconstruct`), measured exactly as the model is. A perfect world model
+  would show these frames, so their PSNR and motion are the most the model can reach through its VAE.
 
 Prints one table (one row per block index), the CPU and wall time, and a summary line last. Ground
 truth renders on one thread (two thread teams on a 2-core host make the ray caster 10x slower), the
@@ -63,6 +67,7 @@ from lingbot_core.world.metrics import (KEY_MOTION, frame_statistics, motion_for
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_render import cpu_kind  # noqa: E402
+from training.vae import stream_reconstruct  # noqa: E402
 
 SINGLE_KEYS = "wasdijkl"
 PAIRS = ("wj", "wl", "wd", "sa")
@@ -115,6 +120,14 @@ def ground_truth(world, path, config: ModelConfig, frames: int) -> torch.Tensor:
     with threads(1):
         rgb = render(world, path.pixel_poses[:frames], path.intrinsics, config.width, config.height, SUPERSAMPLE)
     return torch.from_numpy(to_uint8(rgb)).permute(0, 3, 1, 2).float() / 255.0
+
+
+def vae_round_trip(pipe: Pipeline, truth: torch.Tensor) -> torch.Tensor:
+    """[T, 3, H, W] in [0, 1] -> the same frames encoded and decoded by the pipeline's VAE as a session
+    streams them: what a world model that predicted every latent exactly would show."""
+    with torch.inference_mode():
+        clip, _ = stream_reconstruct(pipe.vae, pipe.config, truth.permute(1, 0, 2, 3) * 2.0 - 1.0)
+    return ((clip.float().permute(1, 0, 2, 3) + 1.0) / 2.0).clamp(0, 1)
 
 
 def random_weights_pipeline(config: ModelConfig, dtype: torch.dtype, seed: int | None = None) -> Pipeline:
@@ -236,6 +249,9 @@ def evaluate(args) -> tuple[Records, str, int]:
             records.add_fidelity(config, "model", model.frames, truth)
             records.add_fidelity(config, "repeat", repeat.expand_as(truth), truth)
             records.add_motion(config, "model", script, model.frames, truth)
+            ceiling = vae_round_trip(pipe, truth)
+            records.add_fidelity(config, "vae", ceiling, truth)
+            records.add_motion(config, "vae", script, ceiling, truth)
             if with_baseline:
                 baseline_frames = model.frames
                 if not baseline_is_model:
@@ -265,15 +281,18 @@ def _start_picture(world, config: ModelConfig) -> np.ndarray:
 def report(records: Records, args, note: str, blocks_run: int, seconds: float) -> bool:
     print(note)
     print(f"{'block':>5} {'n':>3} | {'PSNR dB model':>13} {'repeat':>7} {'random':>7} | {'SSIM model':>10} "
-          f"{'repeat':>7} {'random':>7} | {'keys':>4} {'sign model':>10} {'random':>7} {'|g|/|t|':>7}")
+          f"{'repeat':>7} {'random':>7} | {'keys':>4} {'sign model':>10} {'random':>7} {'|g|/|t|':>7} {'vae':>5}")
     for block in sorted(records.fidelity):
         f = records.fidelity[block]
         rows = records.motion.get(block, [])
         agree, measured, _, ratios = _following([(k, g, t) for who, k, g, t in rows if who == "model"])
         r_agree, r_measured, _, _ = _following([(k, g, t) for who, k, g, t in rows if who == "random"])
         all_ratios = [r for values in ratios.values() for r in values]
+        _, _, _, vae_ratios = _following([(k, g, t) for who, k, g, t in rows if who == "vae"])
+        vae_all = [r for values in vae_ratios.values() for r in values]
         follow = (f"{measured:>4} {100 * agree / measured:>9.0f}% {100 * r_agree / max(r_measured, 1):>6.0f}% "
-                  f"{statistics.median(all_ratios):>7.2f}") if measured else f"{'-':>4} {'':>10} {'':>7} {'':>7}"
+                  f"{statistics.median(all_ratios):>7.2f} {statistics.median(vae_all):>5.2f}") if measured \
+            else f"{'-':>4} {'':>10} {'':>7} {'':>7} {'':>5}"
         print(f"{block:>5} {len(f['psnr_model']):>3} | {_mean(f['psnr_model']):>13.2f} {_mean(f['psnr_repeat']):>7.2f} "
               f"{_mean(f['psnr_random']):>7.2f} | {_mean(f['ssim_model']):>10.3f} {_mean(f['ssim_repeat']):>7.3f} "
               f"{_mean(f['ssim_random']):>7.3f} | {follow}")
@@ -292,12 +311,19 @@ def report(records: Records, args, note: str, blocks_run: int, seconds: float) -
     all_ratios = [r for values in ratios.values() for r in values]
     within = _mean(abs(r - 1.0) <= MAGNITUDE_TOLERANCE for r in all_ratios)
     magnitude_ok = bool(medians) and all(abs(m - 1.0) <= MAGNITUDE_TOLERANCE for m in medians.values())
+    vae_db = _mean(_mean(records.fidelity[b]["psnr_vae"]) for b in target_blocks)
+    vae_rows = [(k, g, t) for block_rows in records.motion.values() for who, k, g, t in block_rows if who == "vae"]
+    vae_agree, vae_measured, _, vae_ratios = _following(vae_rows)
+    vae_medians = {MOTION_KINDS[k]: statistics.median(v) for k, v in sorted(vae_ratios.items())}
     worst = max(records.collapse, key=lambda c: abs(c[2] - 1.0)) if records.collapse else None
     collapse_ok = worst is not None and abs(worst[2] - 1.0) <= COLLAPSE_TOLERANCE
     last = args.walk_blocks
     print(f"CPU: {cpu_kind()}; {blocks_run} model blocks, wall {seconds:.0f} s; worlds "
           f"{HELD_OUT_SEEDS.start}..{HELD_OUT_SEEDS.start + args.seeds - 1} (held out); "
           f"{skipped} key-blocks with true motion < {MIN_TRUE_MOTION_PX} px left out")
+    print(f"Ceiling, the truth through the VAE and back: PSNR blocks {target_blocks[0]}-{target_blocks[-1]} "
+          f"{vae_db:.2f} dB; sign {100 * vae_agree / max(vae_measured, 1):.0f}%; median |g|/|t| "
+          f"{', '.join(f'{k} {v:.2f}' for k, v in vae_medians.items())}")
     verdict = lambda ok: "PASS" if ok else "FAIL"  # noqa: E731
     collapse_text = (f"worst {worst[1]} x{worst[2]:.2f} (world {worst[0]})" if worst else "no walk")
     print(f"SUMMARY: PSNR blocks {target_blocks[0]}-{target_blocks[-1]} {verdict(psnr_ok)} "
