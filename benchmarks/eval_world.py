@@ -1,7 +1,7 @@
 """How good the embedded world model is: rollouts on held-out worlds against the renderer's ground truth.
 
     python benchmarks/eval_world.py [--model embedded] [--seeds 2] [--blocks 8] [--walk-blocks 64] [--pairs 4]
-                                    [--baseline-worlds 1] [--dtype fp32] [--random-weights] [--quick]
+                                    [--baseline-worlds 1] [--dtype fp32] [--random-weights] [--quick] [--per-key]
 
 For the first `--seeds` held-out worlds (HELD_OUT_SEEDS; the model never trained on them), each
 script is rolled out from the world's start picture (its render at the start pose, exactly the app's
@@ -31,7 +31,8 @@ Measured (lingbot_core/world/metrics.py holds every estimator):
   streams (`training.vae.stream_reconstruct`), measured exactly as the model is. A perfect world model
   would show these frames, so their PSNR and motion are the most the model can reach through its VAE.
 
-Prints one table (one row per block index), the CPU and wall time, and a summary line last. Ground
+Prints one table (one row per block index), the CPU and wall time, and a summary line last (with
+`--per-key`, first a table of the motion ratio per held key and block: where a long hold falls behind). Ground
 truth renders on one thread (two thread teams on a 2-core host make the ray caster 10x slower), the
 model on torch's default threads. `--quick` is a CI-size subset: 1 world, 2 blocks a script, 1 pair, an
 8-block walk (collapse: block 8 against block 4).
@@ -172,6 +173,7 @@ class Records:
         self.fidelity = defaultdict(lambda: defaultdict(list))  # block -> metric -> values (one per rollout)
         self.motion = defaultdict(list)  # block -> [(who, kind, generated, true)]
         self.collapse: list[tuple[int, str, float]] = []  # (seed, statistic, ratio last / block 4)
+        self.by_key = defaultdict(list)  # (who, script, key, block) -> [(generated, true)], for --per-key
 
     def add_fidelity(self, config: ModelConfig, who: str, frames: torch.Tensor, truth: torch.Tensor) -> None:
         p, s = psnr(frames, truth), ssim(frames, truth)
@@ -190,6 +192,7 @@ class Records:
                 g = float(motion_for_key(generated, key)[pairs].sum())
                 t = float(motion_for_key(true, key)[pairs].sum())
                 self.motion[block].append((who, KEY_MOTION[key][0], g, t))
+                self.by_key[(who, script.name, key, block)].append((g, t))
 
 
 def _blocks_in(config: ModelConfig, frames: int) -> int:
@@ -278,8 +281,36 @@ def _start_picture(world, config: ModelConfig) -> np.ndarray:
                                SUPERSAMPLE))[0]
 
 
+def per_key_table(records: Records) -> None:
+    """Per held script and key (not the walk): the median |generated| / |true| motion at each block, over
+    the worlds, for the model and (in brackets) the truth through the VAE; '-' where the true motion is
+    under MIN_TRUE_MOTION_PX, and a '!' where the model moved against the truth in any world. It shows
+    where in a long hold, and for which keys, the model falls behind."""
+    keys = list(dict.fromkeys((name, key) for who, name, key, _ in records.by_key  # in the plan's order
+                              if who == "model" and name != "walk"))
+    blocks = sorted({block for *_, block in records.by_key})
+    print(f"{'script':>6} {'key':>3} | " + " ".join(f"{'block ' + str(b):>12}" for b in blocks))
+    for name, key in keys:
+        cells = []
+        for block in blocks:
+            pairs = [(g, t) for g, t in records.by_key.get(("model", name, key, block), [])
+                     if abs(t) >= MIN_TRUE_MOTION_PX]
+            ceiling = [abs(g) / abs(t) for g, t in records.by_key.get(("vae", name, key, block), [])
+                       if abs(t) >= MIN_TRUE_MOTION_PX]
+            if not pairs:
+                cells.append(f"{'-':>12}")
+                continue
+            against = any(g * t <= 0 for g, t in pairs)
+            ratio = statistics.median(abs(g) / abs(t) for g, t in pairs)
+            vae = f"({statistics.median(ceiling):.2f})" if ceiling else ""
+            cells.append(f"{('!' if against else '') + f'{ratio:.2f}' + vae:>12}")
+        print(f"{name:>6} {key:>3} | " + " ".join(cells))
+
+
 def report(records: Records, args, note: str, blocks_run: int, seconds: float) -> bool:
     print(note)
+    if args.per_key:
+        per_key_table(records)
     print(f"{'block':>5} {'n':>3} | {'PSNR dB model':>13} {'repeat':>7} {'random':>7} | {'SSIM model':>10} "
           f"{'repeat':>7} {'random':>7} | {'keys':>4} {'sign model':>10} {'random':>7} {'|g|/|t|':>7} {'vae':>5}")
     for block in sorted(records.fidelity):
@@ -350,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random-weights", action="store_true",
                         help="evaluate the preset's random weights as the model (the harness without training)")
     parser.add_argument("--quick", action="store_true", help="1 world, 2 blocks, 1 pair, an 8-block walk")
+    parser.add_argument("--per-key", action="store_true",
+                        help="also print, per held key, the median motion ratio at each block (before the table)")
     args = parser.parse_args(argv)
     if args.quick:
         args.seeds, args.blocks, args.pairs, args.walk_blocks = 1, 2, 1, 8

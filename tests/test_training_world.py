@@ -191,6 +191,22 @@ def test_a_mirrored_clip_has_the_mirrored_keys_and_the_mirrored_camera():
     expected[:, [0, 3]] *= -1  # origin x, direction x
     torch.testing.assert_close(image, expected, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(image, original, atol=1e-3)  # the turns make the two paths differ
+    # From a start that is pitched and turned (a pitched clip; encode_clips mirrors its start pose as
+    # MIRROR P MIRROR) the mirrored keys from the mirrored start are the mirror image too.
+    import numpy as np
+
+    from lingbot_core.model import camera
+    from training.data import pitched_state, start_state
+    from training.world import MIRROR
+
+    start_pose = camera.integrate_actions(pitched_state(36.0), [frozenset("l")] * 2, config.camera)[1].pose
+    mirrored_start = (MIRROR @ torch.from_numpy(start_pose) @ MIRROR).numpy()
+    original = block_pluckers(config, script, 4, start_state(start_pose))
+    image = block_pluckers(config, mirrored, 4, start_state(mirrored_start))
+    expected = original.flip(-1)
+    expected[:, [0, 3]] *= -1
+    torch.testing.assert_close(image, expected, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(start_pose, mirrored_start)
 
 
 def test_mirrored_clips_encode_as_their_flipped_frames_with_mirrored_keys():
@@ -199,7 +215,8 @@ def test_mirrored_clips_encode_as_their_flipped_frames_with_mirrored_keys():
     import numpy as np
 
     from lingbot_core.loading import build_seeded_parts
-    from training.data import mirror_actions
+    from lingbot_core.model import camera
+    from training.data import mirror_actions, pitched_state
     from training.world import encode_clips
 
     config = tiny_config()
@@ -210,7 +227,9 @@ def test_mirrored_clips_encode_as_their_flipped_frames_with_mirrored_keys():
     class Clips:
         def __init__(self, flipped: bool) -> None:
             self.videos = [v[:, :, ::-1].copy() if flipped else v for v in videos]
-            self.items = [{"actions": mirror_actions(a) if flipped else a} for a in actions]
+            mirror = np.diag([-1.0, 1.0, 1.0, 1.0])  # a pose seen through x -> -x
+            self.items = [{"actions": mirror_actions(a) if flipped else a,
+                           "latent_poses": (mirror @ p @ mirror) if flipped else p} for a, p in zip(actions, poses)]
 
         def __len__(self) -> int:
             return len(self.videos)
@@ -220,9 +239,12 @@ def test_mirrored_clips_encode_as_their_flipped_frames_with_mirrored_keys():
 
     videos = [rng.integers(0, 256, (frames, config.height, config.width, 3), dtype=np.uint8) for _ in range(3)]
     actions = [rng.integers(0, 2, (6, 8), dtype=np.uint8) for _ in range(3)]
+    # start poses pitched and turned (training.data --start-pitch, then keys), one per clip
+    poses = [camera.integrate_actions(pitched_state(p), [frozenset("j")] * 2, config.camera)[0]
+             for p in (-48.0, 0.0, 20.0)]
     mirrored = encode_clips(vae, config, Clips(flipped=False), 2, batch=2, mirrored=True)
     reference = encode_clips(vae, config, Clips(flipped=True), 2, batch=2)
-    for key in ("latents", "conditions", "actions"):
+    for key in ("latents", "conditions", "actions", "start_poses"):
         torch.testing.assert_close(mirrored[key], reference[key], rtol=0, atol=0)
     plain = encode_clips(vae, config, Clips(flipped=False), 2, batch=2)
     assert not torch.equal(plain["latents"], mirrored["latents"])
@@ -320,3 +342,32 @@ def test_a_run_may_resume_with_more_stored_clips_but_not_fewer(tmp_path):
         load_checkpoint(tmp_path, dataclasses.replace(tc, stored_clips=300))
     with pytest.raises(ValueError, match="blocks"):
         load_checkpoint(tmp_path, dataclasses.replace(tc, stored_clips=540, blocks=8))
+
+
+def test_cameras_of_a_pitched_clip_are_integrated_from_its_start_pose():
+    """A clip that starts pitched (training.data --start-pitch) trains on the Plücker maps a session
+    builds once it has reached that pitch: each block anchored on the previous block's last pose, from
+    the clip's own start. Its walk moves horizontally and its turn about the vertical, so a path
+    integrated from the level start would give other maps."""
+    import numpy as np
+
+    from lingbot_core.model import camera
+    from training.data import pitched_state, start_state
+    from training.world import block_pluckers
+
+    config = tiny_config()
+    cfg, per_block = config.camera, config.transformer.num_frames_per_block
+    script = [frozenset()] * per_block + [frozenset("w")] * per_block + [frozenset("jw")] * per_block
+    start = pitched_state(-48.0)
+    poses, _ = camera.integrate_actions(start, script, cfg)
+    recovered = start_state(poses[0])
+    maps = block_pluckers(config, script, blocks=3, start=recovered)
+    intrinsics = camera.reference_intrinsics(cfg, per_block, config.width, config.height)
+    for block in range(3):
+        anchor = start.pose if block == 0 else poses[block * per_block - 1]
+        expected = camera.plucker_block(anchor, poses[block * per_block:(block + 1) * per_block], intrinsics,
+                                        config.width, config.height, cfg)
+        torch.testing.assert_close(maps[block * per_block:(block + 1) * per_block], expected, rtol=1e-5, atol=1e-5)
+    level = block_pluckers(config, script, blocks=3)
+    assert not torch.allclose(maps[per_block:], level[per_block:], atol=1e-3)
+    assert torch.equal(block_pluckers(config, script, 3, start_state(np.eye(4))), level)

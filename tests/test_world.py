@@ -316,3 +316,35 @@ def test_hold_scripts_repeat_whole_blocks_and_leave_the_default_scripts_unchange
     assert 0.72 < repeats / blocks < 0.85
     with pytest.raises(ValueError, match="probability"):
         sample_script(np.random.default_rng(0), 6, FPB, ScriptConfig(hold=1.5))
+
+
+def test_pitched_starts_are_states_a_session_reaches_and_level_clips_stay_unchanged():
+    """--start-pitch starts a clip pitched by whole pitch steps within the limit, tracked for the
+    limit as a session tracks it; start_state recovers that state from the clip's first pose; a
+    level setting draws nothing, so the clips the shipped model trained on render the same."""
+    from training.data import ScriptConfig, make_clip, pitched_state, sample_start, start_state
+
+    cfg = EMBEDDED.camera
+    pitches = {sample_start(np.random.default_rng([2, i]), cfg, ScriptConfig(start_pitch=84.0)).pitch_deg
+               for i in range(400)}
+    assert pitches <= {cfg.pitch_step_deg * k for k in range(-21, 22)}
+    assert max(pitches) == 84.0 and min(pitches) == -84.0 and len(pitches) > 30
+    # A session holding I from the level start reaches exactly the pitched state (pose and pitch).
+    poses, held = camera.integrate_actions(camera.CameraState.initial(), [frozenset("i")] * 5, cfg)
+    np.testing.assert_allclose(pitched_state(20.0).pose, held.pose, atol=1e-12)
+    assert held.pitch_deg == 20.0
+    # Recovered from a pose that also turned: the yaw leaves the pitch alone.
+    turned = camera.integrate_actions(pitched_state(-48.0), [frozenset("j")] * 4, cfg)[1]
+    assert start_state(turned.pose).pitch_deg == pytest.approx(-48.0, abs=1e-6)
+
+    small = dataclasses.replace(EMBEDDED, height=32, width=64)
+    level = make_clip(7, 3, small, num_blocks=2, supersample=1)
+    assert np.array_equal(level.latent_poses[0], np.eye(4))
+    assert np.array_equal(make_clip(7, 3, small, 2, 1, ScriptConfig(start_pitch=0.0)).video, level.video)
+    pitched = next(c for c in (make_clip(7, i, small, 2, 1, ScriptConfig(start_pitch=84.0)) for i in range(3, 20))
+                   if abs(start_state(c.latent_poses[0]).pitch_deg) >= 20.0)
+    start = start_state(pitched.latent_poses[0])
+    latent, _ = camera.integrate_actions(start, pitched.frame_actions, cfg)
+    np.testing.assert_allclose(pitched.latent_poses, latent, atol=1e-12)
+    with pytest.raises(ValueError, match="start_pitch"):
+        ScriptConfig(start_pitch=120.0)

@@ -1,7 +1,7 @@
 """Training clips: rendered videos of train-range worlds with the key actions, poses and intrinsics behind them.
 
     python -m training.data --out out/clips --clips 64 [--blocks 4] [--data-seed 0] [--start 0]
-                            [--size 128x224] [--supersample 2] [--workers 2] [--hold 0.0]
+                            [--size 128x224] [--supersample 2] [--workers 2] [--hold 0.0] [--start-pitch 0]
 
 Clip i of a data seed is a pure function of (data_seed, i) and the script settings: its world seed
 (drawn from TRAIN_SEEDS only), its key script and so its pixels. A dataset is therefore reproducible
@@ -10,9 +10,12 @@ from its seed and resumable from any index (`--start`), and two workers never ne
 A key script mirrors the app: block 0 carries no key (keys act from the next block on), every
 later block holds a key set (none, one key, or two keys that do not cancel), and some blocks press
 it for only part of the block. With `--hold P` each block from block 2 on repeats the previous
-block's keys, for the whole block, with probability P: the long holds of real play. Poses come from
-the camera module's integrator (`key_path`), so the Plücker maps computed from `frame_actions` in
-training are exactly the demo's.
+block's keys, for the whole block, with probability P: the long holds of real play. With
+`--start-pitch D` the clip starts pitched by a whole number of pitch steps within +-D degrees (the
+pitch a session reaches after holding I or K; a level start is all a session begins with, so without
+these clips a view 40 degrees up is one the model has never seen). Poses come from the camera module's
+integrator (`key_path`, from the clip's start state), so the Plücker maps computed from `frame_actions`
+and the start pose in training are exactly the demo's.
 
 The command writes one `clip_<i>.npz` per clip: `video` uint8 [T, H, W, 3] (T = 12N - 3 pixel frames),
 `actions` uint8 [L, 8] (one row per latent frame, columns in KEY_ORDER), `latent_poses` [L, 4, 4]
@@ -31,7 +34,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from lingbot_core.config import PRESETS, ModelConfig
+from lingbot_core.config import PRESETS, CameraConfig, ModelConfig
+from lingbot_core.model import camera
 from lingbot_core.world import TRAIN_SEEDS, key_path, make_world, render
 
 KEY_ORDER = "wasdijkl"
@@ -53,10 +57,16 @@ class ScriptConfig:
     # independent blocks almost never show. At 0 no draw is made, so scripts sampled before this
     # setting existed are unchanged.
     hold: float = 0.0
+    # The clip starts pitched by a whole number of pitch steps drawn uniformly within +-start_pitch
+    # degrees (and within the pitch limit): the views of a session that has held I or K for blocks,
+    # which a level start reaches only after long pitch holds. At 0 no draw is made (a level start).
+    start_pitch: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.hold <= 1.0:
             raise ValueError(f"hold is a probability; got {self.hold}")
+        if not 0.0 <= self.start_pitch <= 90.0:
+            raise ValueError(f"start_pitch is an angle in degrees within [0, 90]; got {self.start_pitch}")
 
 
 class Clip(NamedTuple):
@@ -96,6 +106,33 @@ def sample_script(rng: np.random.Generator, num_blocks: int, frames_per_block: i
     return tuple(frames)
 
 
+def sample_start(rng: np.random.Generator, cfg: CameraConfig, script: ScriptConfig = ScriptConfig()
+                 ) -> camera.CameraState:
+    """The clip's start state: level, or (with script.start_pitch) pitched by k pitch steps, k uniform
+    over the whole steps within +-start_pitch and the pitch limit, exactly a state that a session
+    reaches by holding I or K from its level start."""
+    if script.start_pitch <= 0.0:
+        return camera.CameraState.initial()
+    steps = int(min(script.start_pitch, cfg.pitch_limit_deg) // cfg.pitch_step_deg)
+    pitch = cfg.pitch_step_deg * int(rng.integers(-steps, steps + 1))
+    return pitched_state(pitch)
+
+
+def pitched_state(pitch_deg: float) -> camera.CameraState:
+    """The start pose pitched by `pitch_deg` (positive: up), with that pitch tracked for the limit."""
+    pose = np.eye(4)
+    pose[:3, :3] = camera.rotation_x(pitch_deg)
+    return camera.CameraState(pose, pitch_deg)
+
+
+def start_state(start_pose: np.ndarray) -> camera.CameraState:
+    """The camera state a clip starts from, given its first latent pose (block 0 holds no key, so that
+    pose is the start). The tracked pitch is the forward axis's elevation: a yaw leaves it unchanged."""
+    pose = np.asarray(start_pose, dtype=np.float64)
+    forward_y = float(np.clip(pose[1, 2], -1.0, 1.0))  # forward (0, -sin a, cos a) for pitch a: +y is down
+    return camera.CameraState(pose, round(float(np.degrees(np.arcsin(-forward_y))), 6) + 0.0)  # no -0.0
+
+
 def clip_rng(data_seed: int, index: int) -> np.random.Generator:
     return np.random.default_rng([int(data_seed), int(index)])
 
@@ -109,7 +146,8 @@ def make_clip(data_seed: int, index: int, config: ModelConfig, num_blocks: int, 
     rng = clip_rng(data_seed, index)
     world_seed = int(world_seeds.start + rng.integers(len(world_seeds)))
     actions = sample_script(rng, num_blocks, config.transformer.num_frames_per_block, script)
-    path = key_path(actions, config)
+    start = sample_start(rng, config.camera, script)  # drawn after the script: level clips are unchanged
+    path = key_path(actions, config, start)
     rgb = render(make_world(world_seed), path.pixel_poses, path.intrinsics, config.width, config.height, supersample)
     video = (rgb * 2.0 - 1.0).permute(1, 0, 2, 3).contiguous()  # [3, T, H, W] in [-1, 1]
     return Clip(world_seed, path.frame_actions, video, path.latent_poses, path.pixel_poses, path.intrinsics)
@@ -175,9 +213,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--hold", type=float, default=0.0,
                         help="probability that a block (from block 2 on) holds the previous block's keys")
+    parser.add_argument("--start-pitch", type=float, default=0.0, metavar="DEGREES",
+                        help="start each clip pitched by whole pitch steps drawn within +-DEGREES (0: level)")
     args = parser.parse_args()
     try:
-        script = ScriptConfig(hold=args.hold)
+        script = ScriptConfig(hold=args.hold, start_pitch=args.start_pitch)
     except ValueError as error:
         parser.error(f"--{error}")
 

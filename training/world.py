@@ -10,8 +10,8 @@ It trains exactly the structure inference runs (lingbot_core/rollout.py `step_bl
 - the condition of block b is block b of the causal condition stream of the clip's start frame
   followed by zero frames, with the mask on latent frame 0 (`vae_stream.condition_mask`);
 - the camera of block b is the Plücker map of its latent poses anchored on the previous block's last
-  pose, integrated from the clip's keys by `camera.integrate_actions` and normalised per block, as
-  for key input;
+  pose, integrated from the clip's keys by `camera.integrate_actions` from its start pose (level, or
+  pitched for clips rendered with --start-pitch) and normalised per block, as for key input;
 - a block attends to its sink and recent-window context (`attention.context_frames`) through K/V
   written by a t=0 forward of the clean context, and to its own frames non-causally;
 - its noisy latents sit at one of the sampler's four sigmas, x_t = (1 - s) x0 + s eps, the model
@@ -65,7 +65,7 @@ from lingbot_core.model.attention import context_frames
 from lingbot_core.model.cpu_kernels import use_fast_cpu_kernels
 from lingbot_core.model.transformer import CausalLingBotWorldTransformer3DModel
 from lingbot_core.model.vae_stream import check_streamable, condition_mask
-from training.data import StoredClips, array_to_actions, mirror_actions
+from training.data import StoredClips, array_to_actions, mirror_actions, start_state
 from training.runs import decayed_rate, save_atomically, trim_log
 
 CHECKPOINT = "last.pt"
@@ -73,6 +73,8 @@ LOG = "log.jsonl"
 LATENTS = "latents.pt"
 MIRRORED_LATENTS = "latents_mirrored.pt"
 CHECKPOINT_FORMAT = 1
+# A clip's mirror image is the clip seen through x -> -x: a camera-to-world pose P becomes MIRROR P MIRROR.
+MIRROR = torch.diag(torch.tensor([-1.0, 1.0, 1.0, 1.0], dtype=torch.float64))
 
 PROMPTS = (
     "A walk through a quiet countryside with trees, rocks and small houses.",
@@ -191,7 +193,12 @@ def encode_clips(vae: AutoencoderKLWan, config: ModelConfig, stored: StoredClips
     per_block = config.transformer.num_frames_per_block
     actions = [stored.items[i]["actions"][: blocks * per_block].astype(np.uint8) for i in range(first, len(stored))]
     actions = torch.stack([torch.from_numpy(mirror_actions(a) if mirrored else a) for a in actions])
-    return {"latents": torch.cat(latents), "conditions": torch.cat(conditions), "actions": actions}
+    starts = torch.stack([torch.from_numpy(stored.items[i]["latent_poses"][0].astype(np.float64))
+                          for i in range(first, len(stored))])
+    if mirrored:
+        starts = MIRROR @ starts @ MIRROR
+    return {"latents": torch.cat(latents), "conditions": torch.cat(conditions), "actions": actions,
+            "start_poses": starts}
 
 
 def cached_encoding(path: Path, vae: AutoencoderKLWan, config: ModelConfig, stored: Callable[[], StoredClips],
@@ -203,6 +210,10 @@ def cached_encoding(path: Path, vae: AutoencoderKLWan, config: ModelConfig, stor
     must be encoded."""
     cached = torch.load(path, weights_only=True) if path.exists() else None
     have = 0 if cached is None else len(cached["latents"])
+    if cached is not None and "start_poses" not in cached:
+        # Written before clips could start pitched (training.data --start-pitch): every clip it holds
+        # was rendered from the level start.
+        cached["start_poses"] = torch.eye(4, dtype=torch.float64).expand(have, 4, 4).clone()
     if have > count:
         return {key: value[:count] for key, value in cached.items()}
     if have < count:
@@ -212,10 +223,12 @@ def cached_encoding(path: Path, vae: AutoencoderKLWan, config: ModelConfig, stor
     return cached
 
 
-def block_pluckers(config: ModelConfig, frame_actions, blocks: int) -> torch.Tensor:
-    """[F, 6, H, W] Plücker maps of `blocks` blocks of keys, exactly as step_block builds them."""
+def block_pluckers(config: ModelConfig, frame_actions, blocks: int,
+                   start: camera.CameraState | None = None) -> torch.Tensor:
+    """[F, 6, H, W] Plücker maps of `blocks` blocks of keys from the clip's start state (level when
+    None), exactly as step_block builds them in a session that has reached that state."""
     per_block = config.transformer.num_frames_per_block
-    state = camera.CameraState.initial()
+    state = camera.CameraState.initial() if start is None else start
     maps = []
     for b in range(blocks):
         actions = tuple(frame_actions[b * per_block:(b + 1) * per_block])
@@ -401,8 +414,10 @@ class WorldData:
         # Clips 0 .. N-1 are the stored clips, N .. 2N-1 their mirror images (with --mirror).
         encoded = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
         self.latents, self.conditions = encoded["latents"], encoded["conditions"]
-        self.plucker = torch.stack([block_pluckers(config, array_to_actions(a.numpy()), tc.blocks)
-                                    for a in tqdm(encoded["actions"], desc="cameras", unit="clip")])
+        self.plucker = torch.stack([block_pluckers(config, array_to_actions(a.numpy()), tc.blocks,
+                                                   start_state(pose.numpy()))
+                                    for a, pose in tqdm(zip(encoded["actions"], encoded["start_poses"]),
+                                                        total=len(encoded["actions"]), desc="cameras", unit="clip")])
         # The condition mask of each block, as step_block builds it: ones on latent frame 0 only.
         self.mask = torch.cat([condition_mask(config, b, "cpu", torch.float32) for b in range(tc.blocks)], 2)
 
