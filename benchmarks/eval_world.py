@@ -171,9 +171,8 @@ class Records:
 
     def __init__(self) -> None:
         self.fidelity = defaultdict(lambda: defaultdict(list))  # block -> metric -> values (one per rollout)
-        self.motion = defaultdict(list)  # block -> [(who, kind, generated, true)]
+        self.motion = defaultdict(list)  # block -> [(who, script, key, generated, true)]
         self.collapse: list[tuple[int, str, float]] = []  # (seed, statistic, ratio last / block 4)
-        self.by_key = defaultdict(list)  # (who, script, key, block) -> [(generated, true)], for --per-key
 
     def add_fidelity(self, config: ModelConfig, who: str, frames: torch.Tensor, truth: torch.Tensor) -> None:
         p, s = psnr(frames, truth), ssim(frames, truth)
@@ -191,8 +190,12 @@ class Records:
             for key in sorted(script.keys_per_block[block]):
                 g = float(motion_for_key(generated, key)[pairs].sum())
                 t = float(motion_for_key(true, key)[pairs].sum())
-                self.motion[block].append((who, KEY_MOTION[key][0], g, t))
-                self.by_key[(who, script.name, key, block)].append((g, t))
+                self.motion[block].append((who, script.name, key, g, t))
+
+    def following(self, who: str, blocks=None) -> list[tuple[str, float, float]]:
+        """(kind, generated, true) of `who`'s key blocks, over `blocks` (default: all), for _following."""
+        return [(KEY_MOTION[key][0], g, t) for block in (self.motion if blocks is None else blocks)
+                for w, _, key, g, t in self.motion.get(block, []) if w == who]
 
 
 def _blocks_in(config: ModelConfig, frames: int) -> int:
@@ -286,16 +289,19 @@ def per_key_table(records: Records) -> None:
     the worlds, for the model and (in brackets) the truth through the VAE; '-' where the true motion is
     under MIN_TRUE_MOTION_PX, and a '!' where the model moved against the truth in any world. It shows
     where in a long hold, and for which keys, the model falls behind."""
-    keys = list(dict.fromkeys((name, key) for who, name, key, _ in records.by_key  # in the plan's order
-                              if who == "model" and name != "walk"))
-    blocks = sorted({block for *_, block in records.by_key})
+    by_key = defaultdict(list)  # (who, script, key, block) -> [(generated, true)], the worlds in order
+    for block, rows in records.motion.items():
+        for who, name, key, g, t in rows:
+            if name != "walk":
+                by_key[(who, name, key, block)].append((g, t))
+    keys = list(dict.fromkeys((name, key) for who, name, key, _ in by_key if who == "model"))  # the plan's order
+    blocks = sorted({block for *_, block in by_key})
     print(f"{'script':>6} {'key':>3} | " + " ".join(f"{'block ' + str(b):>12}" for b in blocks))
     for name, key in keys:
         cells = []
         for block in blocks:
-            pairs = [(g, t) for g, t in records.by_key.get(("model", name, key, block), [])
-                     if abs(t) >= MIN_TRUE_MOTION_PX]
-            ceiling = [abs(g) / abs(t) for g, t in records.by_key.get(("vae", name, key, block), [])
+            pairs = [(g, t) for g, t in by_key.get(("model", name, key, block), []) if abs(t) >= MIN_TRUE_MOTION_PX]
+            ceiling = [abs(g) / abs(t) for g, t in by_key.get(("vae", name, key, block), [])
                        if abs(t) >= MIN_TRUE_MOTION_PX]
             if not pairs:
                 cells.append(f"{'-':>12}")
@@ -315,11 +321,10 @@ def report(records: Records, args, note: str, blocks_run: int, seconds: float) -
           f"{'repeat':>7} {'random':>7} | {'keys':>4} {'sign model':>10} {'random':>7} {'|g|/|t|':>7} {'vae':>5}")
     for block in sorted(records.fidelity):
         f = records.fidelity[block]
-        rows = records.motion.get(block, [])
-        agree, measured, _, ratios = _following([(k, g, t) for who, k, g, t in rows if who == "model"])
-        r_agree, r_measured, _, _ = _following([(k, g, t) for who, k, g, t in rows if who == "random"])
+        agree, measured, _, ratios = _following(records.following("model", [block]))
+        r_agree, r_measured, _, _ = _following(records.following("random", [block]))
         all_ratios = [r for values in ratios.values() for r in values]
-        _, _, _, vae_ratios = _following([(k, g, t) for who, k, g, t in rows if who == "vae"])
+        _, _, _, vae_ratios = _following(records.following("vae", [block]))
         vae_all = [r for values in vae_ratios.values() for r in values]
         follow = (f"{measured:>4} {100 * agree / measured:>9.0f}% {100 * r_agree / max(r_measured, 1):>6.0f}% "
                   f"{statistics.median(all_ratios):>7.2f} {statistics.median(vae_all):>5.2f}") if measured \
@@ -334,8 +339,7 @@ def report(records: Records, args, note: str, blocks_run: int, seconds: float) -
     repeat_db = _mean(_mean(records.fidelity[b]["psnr_repeat"]) for b in target_blocks)
     random_db = _mean(_mean(records.fidelity[b]["psnr_random"]) for b in target_blocks)
     psnr_ok = model_db - repeat_db >= PSNR_MARGIN_DB
-    rows = [(k, g, t) for block_rows in records.motion.values() for who, k, g, t in block_rows if who == "model"]
-    agree, measured, skipped, ratios = _following(rows)
+    agree, measured, skipped, ratios = _following(records.following("model"))
     sign_rate = agree / measured if measured else float("nan")
     sign_ok = measured > 0 and sign_rate >= SIGN_TARGET
     medians = {MOTION_KINDS[k]: statistics.median(v) for k, v in sorted(ratios.items())}
@@ -343,8 +347,7 @@ def report(records: Records, args, note: str, blocks_run: int, seconds: float) -
     within = _mean(abs(r - 1.0) <= MAGNITUDE_TOLERANCE for r in all_ratios)
     magnitude_ok = bool(medians) and all(abs(m - 1.0) <= MAGNITUDE_TOLERANCE for m in medians.values())
     vae_db = _mean(_mean(records.fidelity[b]["psnr_vae"]) for b in target_blocks)
-    vae_rows = [(k, g, t) for block_rows in records.motion.values() for who, k, g, t in block_rows if who == "vae"]
-    vae_agree, vae_measured, _, vae_ratios = _following(vae_rows)
+    vae_agree, vae_measured, _, vae_ratios = _following(records.following("vae"))
     vae_medians = {MOTION_KINDS[k]: statistics.median(v) for k, v in sorted(vae_ratios.items())}
     worst = max(records.collapse, key=lambda c: abs(c[2] - 1.0)) if records.collapse else None
     collapse_ok = worst is not None and abs(worst[2] - 1.0) <= COLLAPSE_TOLERANCE

@@ -4,7 +4,7 @@
     python benchmarks/turn_check.py [--model embedded] [--dtype fp32]
 
 Prints how many blocks' generated horizontal motion has the true sign, and the median |generated| / |true|
-of that motion (the evaluation's estimator, summed over each block's consecutive frame pairs).
+of that motion (eval_world's records and estimator, summed over each block's consecutive frame pairs).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from eval_world import (HELD_OUT_SEEDS, Script, _start_picture, block_frames, ground_truth, held_keys,  # noqa: E402
-                        key_path, load_model, make_world, motion_for_key, roll_out, video_motion)
+from eval_world import (HELD_OUT_SEEDS, MIN_TRUE_MOTION_PX, Records, Script, _following, _start_picture,  # noqa: E402
+                        ground_truth, held_keys, key_path, load_model, make_world, roll_out)
 from bench_render import cpu_kind  # noqa: E402
 from lingbot_core.precision import DTYPE_CHOICES  # noqa: E402
 
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     pipe = load_model(args.model, args.dtype)
     config = pipe.config
-    agree, ratios = 0, []
+    records = Records()
     for seed in WORLDS:
         world = make_world(seed)
         image = _start_picture(world, config)
@@ -40,16 +40,11 @@ def main(argv: list[str] | None = None) -> int:
             script = Script(key, ("",) + (key,) * BLOCKS, BLOCKS + 1)
             path = key_path(held_keys(script.keys_per_block, config.transformer.num_frames_per_block), config)
             truth = ground_truth(world, path, config, config.pixel_frames_for_blocks(BLOCKS + 1))
-            generated = motion_for_key(video_motion(roll_out(pipe, image, script, set()).frames), key)
-            true = motion_for_key(video_motion(truth), key)
-            for block in range(1, BLOCKS + 1):
-                part = block_frames(config, block)
-                pairs = slice(part.start - 1, part.stop - 1)
-                g, t = float(generated[pairs].sum()), float(true[pairs].sum())
-                agree += (g > 0) == (t > 0)
-                ratios.append(abs(g) / max(abs(t), 1e-6))
+            records.add_motion(config, "model", script, roll_out(pipe, image, script, set()).frames, truth)
+    agree, measured, skipped, ratios = _following(records.following("model"))
     print(f"CPU: {cpu_kind()}; model {args.model}, {args.dtype}; worlds {WORLDS.start}..{WORLDS.stop - 1} (held out)")
-    print(f"turn check: {agree}/{len(ratios)} blocks with the true sign, median |g|/|t| {statistics.median(ratios):.2f}")
+    print(f"turn check: {agree}/{measured} blocks with the true sign ({skipped} with true motion under "
+          f"{MIN_TRUE_MOTION_PX} px left out), median |g|/|t| {statistics.median(ratios['shift_x']):.2f}")
     return 0
 
 

@@ -11,13 +11,17 @@ import eval_world  # noqa: E402
 def test_per_key_table_gives_the_median_ratio_per_key_and_block_and_marks_wrong_directions(capsys):
     records = eval_world.Records()
     # key j held: block 1 in two worlds (ratios 0.5 and 1.0: median 0.75), block 2 moved against the
-    # truth in one world; key w: block 1 too small a true motion to count.
-    records.by_key[("model", "j", "j", 1)] += [(5.0, 10.0), (-10.0, -10.0)]
-    records.by_key[("vae", "j", "j", 1)] += [(9.0, 10.0), (-9.0, -10.0)]
-    records.by_key[("model", "j", "j", 2)] += [(-2.0, 10.0), (8.0, 10.0)]
-    records.by_key[("model", "w", "w", 1)] += [(0.3, 0.5)]
-    records.by_key[("model", "w", "w", 2)] += [(3.0, 2.0)]
-    records.by_key[("model", "walk", "w", 1)] += [(1.0, 2.0)]  # the walk has no row
+    # truth in one world; key w: block 1 too small a true motion to count; the walk has no row.
+    records.motion[1] += [("model", "j", "j", 5.0, 10.0), ("model", "j", "j", -10.0, -10.0),
+                          ("vae", "j", "j", 9.0, 10.0), ("vae", "j", "j", -9.0, -10.0),
+                          ("model", "w", "w", 0.3, 0.5), ("model", "walk", "w", 1.0, 2.0)]
+    records.motion[2] += [("model", "j", "j", -2.0, 10.0), ("model", "j", "j", 8.0, 10.0),
+                          ("model", "w", "w", 3.0, 2.0)]
+    records.motion[9] += [("model", "walk", "w", 1.0, 2.0)]  # no column for blocks only the walk reaches
+    # the summary's rows: (kind, generated, true), the walk's included
+    assert records.following("model", [1]) == [("shift_x", 5.0, 10.0), ("shift_x", -10.0, -10.0),
+                                               ("expansion", 0.3, 0.5), ("expansion", 1.0, 2.0)]
+    assert len(records.following("model")) == 8 and len(records.following("vae")) == 2
     eval_world.per_key_table(records)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and "block 1" in lines[0] and "block 2" in lines[0]

@@ -192,15 +192,14 @@ def test_a_mirrored_clip_has_the_mirrored_keys_and_the_mirrored_camera():
     torch.testing.assert_close(image, expected, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(image, original, atol=1e-3)  # the turns make the two paths differ
     # From a start that is pitched and turned (a pitched clip; encode_clips mirrors its start pose as
-    # MIRROR P MIRROR) the mirrored keys from the mirrored start are the mirror image too.
+    # mirror_poses) the mirrored keys from the mirrored start are the mirror image too.
     import numpy as np
 
     from lingbot_core.model import camera
-    from training.data import pitched_state, start_state
-    from training.world import MIRROR
+    from training.data import mirror_poses, pitched_state, start_state
 
     start_pose = camera.integrate_actions(pitched_state(36.0), [frozenset("l")] * 2, config.camera)[1].pose
-    mirrored_start = (MIRROR @ torch.from_numpy(start_pose) @ MIRROR).numpy()
+    mirrored_start = mirror_poses(torch.from_numpy(start_pose)).numpy()
     original = block_pluckers(config, script, 4, start_state(start_pose))
     image = block_pluckers(config, mirrored, 4, start_state(mirrored_start))
     expected = original.flip(-1)
@@ -352,7 +351,7 @@ def test_cameras_of_a_pitched_clip_are_integrated_from_its_start_pose():
     import numpy as np
 
     from lingbot_core.model import camera
-    from training.data import pitched_state, start_state
+    from training.data import mirror_poses, pitched_state, start_state
     from training.world import block_pluckers
 
     config = tiny_config()

@@ -174,6 +174,13 @@ def mirror_actions(array: np.ndarray) -> np.ndarray:
     return np.asarray(array)[..., MIRROR_COLUMNS]
 
 
+def mirror_poses(poses: torch.Tensor) -> torch.Tensor:
+    """Camera-to-world poses [..., 4, 4] of a clip -> those of its mirror image: the world seen through
+    x -> -x, so P becomes M P M with M = diag(-1, 1, 1, 1)."""
+    m = torch.diag(torch.tensor([-1.0, 1.0, 1.0, 1.0], dtype=poses.dtype))
+    return m @ poses @ m
+
+
 class ClipDataset(torch.utils.data.Dataset):
     """Map-style dataset of clips `start .. start + length - 1` of `data_seed`, rendered on demand."""
 

@@ -65,7 +65,7 @@ from lingbot_core.model.attention import context_frames
 from lingbot_core.model.cpu_kernels import use_fast_cpu_kernels
 from lingbot_core.model.transformer import CausalLingBotWorldTransformer3DModel
 from lingbot_core.model.vae_stream import check_streamable, condition_mask
-from training.data import StoredClips, array_to_actions, mirror_actions, start_state
+from training.data import StoredClips, array_to_actions, mirror_actions, mirror_poses, start_state
 from training.runs import decayed_rate, save_atomically, trim_log
 
 CHECKPOINT = "last.pt"
@@ -73,8 +73,6 @@ LOG = "log.jsonl"
 LATENTS = "latents.pt"
 MIRRORED_LATENTS = "latents_mirrored.pt"
 CHECKPOINT_FORMAT = 1
-# A clip's mirror image is the clip seen through x -> -x: a camera-to-world pose P becomes MIRROR P MIRROR.
-MIRROR = torch.diag(torch.tensor([-1.0, 1.0, 1.0, 1.0], dtype=torch.float64))
 
 PROMPTS = (
     "A walk through a quiet countryside with trees, rocks and small houses.",
@@ -196,7 +194,7 @@ def encode_clips(vae: AutoencoderKLWan, config: ModelConfig, stored: StoredClips
     starts = torch.stack([torch.from_numpy(stored.items[i]["latent_poses"][0].astype(np.float64))
                           for i in range(first, len(stored))])
     if mirrored:
-        starts = MIRROR @ starts @ MIRROR
+        starts = mirror_poses(starts)
     return {"latents": torch.cat(latents), "conditions": torch.cat(conditions), "actions": actions,
             "start_poses": starts}
 
