@@ -370,3 +370,43 @@ def test_cameras_of_a_pitched_clip_are_integrated_from_its_start_pose():
     level = block_pluckers(config, script, blocks=3)
     assert not torch.allclose(maps[per_block:], level[per_block:], atol=1e-3)
     assert torch.equal(block_pluckers(config, script, 3, start_state(np.eye(4))), level)
+
+
+def test_world_data_holds_each_clips_cameras_from_its_start_pose_mirror_images_included(tmp_path):
+    """WorldData's Plücker maps (filled clip by clip, so the host never holds them twice) are, for every
+    stored clip and every mirror image, block_pluckers of that clip's keys from its start pose; a batch
+    hands out the maps of the clips it draws."""
+    import numpy as np
+
+    from lingbot_core.loading import build_seeded_parts
+    from lingbot_core.model import camera
+    from training.data import array_to_actions, pitched_state, start_state
+    from training.world import WorldData, block_pluckers
+
+    config = tiny_config()
+    vae = build_seeded_parts(config, 0).vae
+    blocks, per_block = 2, config.transformer.num_frames_per_block
+    frames = config.pixel_frames_for_blocks(blocks)
+    rng = np.random.default_rng(1)
+    for i, pitch in enumerate((0.0, -24.0, 36.0)):
+        keys = [frozenset("jw"), frozenset("i"), frozenset("d")][i]
+        script = [frozenset()] * per_block + [keys] * per_block
+        poses, _ = camera.integrate_actions(pitched_state(pitch), script, config.camera)
+        actions = np.array([[k in a for k in "wasdijkl"] for a in script], dtype=np.uint8)
+        np.savez(tmp_path / f"clip_{i:07d}.npz",
+                 video=rng.integers(0, 256, (frames, config.height, config.width, 3), dtype=np.uint8),
+                 actions=actions, latent_poses=poses, intrinsics=np.zeros(4), world_seed=np.int64(i))
+    tc = WorldTrainConfig(vae="v", clips_dir=str(tmp_path), stored_clips=3, blocks=blocks, mirror=True, batch=4)
+    data = WorldData(tc, config, vae, tmp_path)
+    assert data.plucker.shape == (6, blocks * per_block, 6, config.height, config.width)
+    cached = torch.load(tmp_path / "latents.pt", weights_only=True)
+    mirrored = torch.load(tmp_path / "latents_mirrored.pt", weights_only=True)
+    for index, part in enumerate((cached, mirrored)):
+        for clip in range(3):
+            expected = block_pluckers(config, array_to_actions(part["actions"][clip].numpy()), blocks,
+                                      start_state(part["start_poses"][clip].numpy()))
+            assert torch.equal(data.plucker[3 * index + clip], expected)
+    assert not torch.allclose(data.plucker[0], data.plucker[3])  # a turn's mirror image turns the other way
+    batch = data.batch(tc, 0)
+    drawn = [int(np.random.default_rng([tc.data_seed, 11, j]).integers(6)) for j in range(tc.batch)]
+    assert torch.equal(batch["plucker"], data.plucker[drawn])
