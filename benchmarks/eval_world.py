@@ -362,7 +362,7 @@ def report(records: Records, args, note: str, blocks_run: int, seconds: float) -
     collapse_text = (f"worst {worst[1]} x{worst[2]:.2f} (world {worst[0]})" if worst else "no walk")
     print(f"SUMMARY: PSNR blocks {target_blocks[0]}-{target_blocks[-1]} {verdict(psnr_ok)} "
           f"{model_db:.2f} dB vs repeat {repeat_db:.2f} (+{model_db - repeat_db:.2f}, target +{PSNR_MARGIN_DB:.0f}), "
-          f"random {random_db:.2f}; sign {verdict(sign_ok)} {100 * sign_rate:.0f}% of {measured} "
+          f"random {random_db:.2f}; sign {verdict(sign_ok)} {100 * sign_rate:.1f}% of {measured} "
           f"(target {100 * SIGN_TARGET:.0f}%); magnitude {verdict(magnitude_ok)} median |g|/|t| "
           f"{', '.join(f'{k} {v:.2f}' for k, v in medians.items())} ({100 * within:.0f}% of blocks within "
           f"{100 * MAGNITUDE_TOLERANCE:.0f}%); collapse block {last} vs {COLLAPSE_BLOCK} {verdict(collapse_ok)} "

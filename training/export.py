@@ -53,9 +53,12 @@ def export(vae_folder: Path, world_run: Path, out: Path) -> Path:
     weights = {name: t.detach().to(torch.float16).contiguous() for name, t in sorted(state["model"].items())}
     save_file(weights, transformer / TRANSFORMER_WEIGHTS, metadata={"format": "pt"})
 
-    if (out / "vae").exists():
-        shutil.rmtree(out / "vae")
-    shutil.copytree(vae_folder, out / "vae")
+    # A new transformer exported beside the VAE it already ships with (--vae OUT/vae) keeps that VAE:
+    # removing OUT/vae before copying would delete the source.
+    if (out / "vae").resolve() != vae_folder.resolve():
+        if (out / "vae").exists():
+            shutil.rmtree(out / "vae")
+        shutil.copytree(vae_folder, out / "vae")
 
     text = build_seeded_parts(EMBEDDED, EMBEDDED.weights_seed, dtype=torch.float32).text_encoder
     text.model.to(torch.float16).save_pretrained(out / "text_encoder")
