@@ -380,7 +380,7 @@ def test_world_data_holds_each_clips_cameras_from_its_start_pose_mirror_images_i
 
     from lingbot_core.loading import build_seeded_parts
     from lingbot_core.model import camera
-    from training.data import array_to_actions, pitched_state, start_state
+    from training.data import actions_to_array, array_to_actions, pitched_state, start_state
     from training.world import WorldData, block_pluckers
 
     config = tiny_config()
@@ -392,7 +392,7 @@ def test_world_data_holds_each_clips_cameras_from_its_start_pose_mirror_images_i
         keys = [frozenset("jw"), frozenset("i"), frozenset("d")][i]
         script = [frozenset()] * per_block + [keys] * per_block
         poses, _ = camera.integrate_actions(pitched_state(pitch), script, config.camera)
-        actions = np.array([[k in a for k in "wasdijkl"] for a in script], dtype=np.uint8)
+        actions = actions_to_array(script)
         np.savez(tmp_path / f"clip_{i:07d}.npz",
                  video=rng.integers(0, 256, (frames, config.height, config.width, 3), dtype=np.uint8),
                  actions=actions, latent_poses=poses, intrinsics=np.zeros(4), world_seed=np.int64(i))

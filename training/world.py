@@ -414,13 +414,12 @@ class WorldData:
         self.latents, self.conditions = encoded["latents"], encoded["conditions"]
         # Filled in place: a list of maps stacked at the end would hold every map twice at its peak (6.6 MB
         # a clip at 96x160 and 6 blocks; 860 clips and their mirror images ran a 24 GB host out of memory).
-        self.plucker = None
+        frames = tc.blocks * config.transformer.num_frames_per_block
+        self.plucker = torch.empty(len(encoded["actions"]), frames, 6, config.height, config.width)
         for index, (a, pose) in enumerate(tqdm(zip(encoded["actions"], encoded["start_poses"]),
                                                total=len(encoded["actions"]), desc="cameras", unit="clip")):
-            maps = block_pluckers(config, array_to_actions(a.numpy()), tc.blocks, start_state(pose.numpy()))
-            if self.plucker is None:
-                self.plucker = maps.new_empty((len(encoded["actions"]), *maps.shape))
-            self.plucker[index] = maps
+            self.plucker[index] = block_pluckers(config, array_to_actions(a.numpy()), tc.blocks,
+                                                 start_state(pose.numpy()))
         # The condition mask of each block, as step_block builds it: ones on latent frame 0 only.
         self.mask = torch.cat([condition_mask(config, b, "cpu", torch.float32) for b in range(tc.blocks)], 2)
 
