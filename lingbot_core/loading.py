@@ -295,8 +295,11 @@ def _load_vae(subfolder: Path, dtype: torch.dtype, device: torch.device | str) -
     if class_name != "AutoencoderKLWan":
         raise CheckpointError(f"{subfolder / 'config.json'}: _class_name is {class_name!r}; the VAE is AutoencoderKLWan")
     try:
-        with torch.random.fork_rng(devices=[]):  # from_pretrained may run a random init first; keep the global RNG
-            vae = AutoencoderKLWan.from_pretrained(subfolder, torch_dtype=dtype)
+        # from_pretrained may run a random init first; keep the global RNG. low_cpu_mem_usage=False is what
+        # diffusers falls back to without `accelerate` (not a dependency: the VAE is small); saying so
+        # spares every start-up its advice to install it.
+        with torch.random.fork_rng(devices=[]):
+            vae = AutoencoderKLWan.from_pretrained(subfolder, torch_dtype=dtype, low_cpu_mem_usage=False)
     except (OSError, ValueError, RuntimeError) as error:
         raise CheckpointError(f"cannot load the VAE from {subfolder}: {error}") from error
     use_fast_cpu_kernels(vae)

@@ -355,3 +355,23 @@ def test_seeded_parts_depend_on_the_seed():
         assert not torch.equal(next(getattr(a, part).parameters()), next(getattr(c, part).parameters()))
     _assert_same_state(a.text_encoder.model, b.text_encoder.model)
     assert not torch.equal(a.text_encoder.encode("a cat"), c.text_encoder.encode("a cat"))
+
+
+def test_loading_the_vae_gives_no_advice_to_install_accelerate(checkpoint):
+    """Without `accelerate` (not a dependency), diffusers' default low_cpu_mem_usage=True falls back to False
+    and tells every start-up to install it; the loader asks for False itself, so start-up stays quiet."""
+    import logging
+
+    import diffusers.utils.import_utils as import_utils
+
+    assert not import_utils.is_accelerate_available()  # what this test is about; a project that adds it drops this
+    heard: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())
+    library = logging.getLogger("diffusers")  # diffusers' messages stop there (it does not propagate them)
+    library.addHandler(handler)
+    try:
+        _load(checkpoint[0])
+    finally:
+        library.removeHandler(handler)
+    assert not [m for m in heard if "accelerate" in m], heard

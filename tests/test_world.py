@@ -318,6 +318,30 @@ def test_hold_scripts_repeat_whole_blocks_and_leave_the_default_scripts_unchange
         sample_script(np.random.default_rng(0), 6, FPB, ScriptConfig(hold=1.5))
 
 
+def test_first_keys_scripts_press_one_of_those_keys_in_block_1_and_hold_it():
+    """--first-keys ikad --hold 1.0: every clip holds a pitch or a sideways step (alone or in a pair)
+    from block 1 to its end, each of the keys about equally often; the default scripts stay unchanged
+    (the digest test above), and a key outside WASDIJKL is refused."""
+    from training.data import ScriptConfig, sample_script
+
+    counts = {k: 0 for k in "ikad"}
+    for i in range(400):
+        script = sample_script(np.random.default_rng([3, i]), 6, FPB, ScriptConfig(hold=1.0, first_keys="ikad"))
+        block1 = frozenset().union(*script[FPB:2 * FPB])
+        firsts = block1 & set("ikad")
+        assert firsts and len(block1) <= 2
+        assert set(script[2 * FPB:]) == {block1}
+        for key in firsts:
+            counts[key] += 1
+    assert all(80 <= n <= 150 for n in counts.values()), counts
+    # Without first_keys the same generator gives the default script, draw for draw.
+    assert (sample_script(np.random.default_rng([3, 1]), 6, FPB, ScriptConfig(first_keys=""))
+            == sample_script(np.random.default_rng([3, 1]), 6, FPB))
+    for bad in ("x", "ii"):
+        with pytest.raises(ValueError, match="first_keys"):
+            ScriptConfig(first_keys=bad)
+
+
 def test_pitched_starts_are_states_a_session_reaches_and_level_clips_stay_unchanged():
     """--start-pitch starts a clip pitched by whole pitch steps within the limit, tracked for the
     limit as a session tracks it; start_state recovers that state from the clip's first pose; a

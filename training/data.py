@@ -2,6 +2,7 @@
 
     python -m training.data --out out/clips --clips 64 [--blocks 4] [--data-seed 0] [--start 0]
                             [--size 128x224] [--supersample 2] [--workers 2] [--hold 0.0] [--start-pitch 0]
+                            [--first-keys KEYS]
 
 Clip i of a data seed is a pure function of (data_seed, i) and the script settings: its world seed
 (drawn from TRAIN_SEEDS only), its key script and so its pixels. A dataset is therefore reproducible
@@ -13,7 +14,8 @@ it for only part of the block. With `--hold P` each block from block 2 on repeat
 block's keys, for the whole block, with probability P: the long holds of real play. With
 `--start-pitch D` the clip starts pitched by a whole number of pitch steps within +-D degrees (the
 pitch a session reaches after holding I or K; a level start is all a session begins with, so without
-these clips a view 40 degrees up is one the model has never seen). Poses come from the camera module's
+these clips a view 40 degrees up is one the model has never seen). With `--first-keys ikad` block 1
+presses one of those keys (with `--hold 1.0`, held to the end of the clip). Poses come from the camera module's
 integrator (`key_path`, from the clip's start state), so the Plücker maps computed from `frame_actions`
 and the start pose in training are exactly the demo's.
 
@@ -61,10 +63,18 @@ class ScriptConfig:
     # degrees (and within the pitch limit): the views of a session that has held I or K for blocks,
     # which a level start reaches only after long pitch holds. At 0 no draw is made (a level start).
     start_pitch: float = 0.0
+    # Block 1 presses a key drawn from these keys only (equally likely; a second key of a pair is drawn
+    # as usual), never no key: with hold 1.0, clips that hold a pitch or a sideways step for the whole
+    # clip, which the default weights make rare (I, K, A and D are 28% of first keys). Empty:
+    # no change, and no draw changes, so scripts sampled before this setting existed are unchanged.
+    first_keys: str = ""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.hold <= 1.0:
             raise ValueError(f"hold is a probability; got {self.hold}")
+        unknown = sorted(set(self.first_keys) - set(KEY_ORDER))
+        if unknown or len(set(self.first_keys)) != len(self.first_keys):
+            raise ValueError(f"first_keys must be distinct keys of {KEY_ORDER!r}; got {self.first_keys!r}")
         if not 0.0 <= self.start_pitch <= 90.0:
             raise ValueError(f"start_pitch is an angle in degrees within [0, 90]; got {self.start_pitch}")
 
@@ -89,8 +99,12 @@ def sample_script(rng: np.random.Generator, num_blocks: int, frames_per_block: i
             frames.extend([previous] * frames_per_block)
             continue
         held: set[str] = set()
-        if rng.random() >= cfg.still:
+        first = None
+        if index == 1 and cfg.first_keys:
+            first = cfg.first_keys[rng.integers(len(cfg.first_keys))]
+        elif rng.random() >= cfg.still:
             first = keys[rng.choice(len(keys), p=weights / weights.sum())]
+        if first is not None:
             held.add(first)
             if rng.random() < cfg.pair:
                 allowed = [k != first and k != _OPPOSITE[first] for k in keys]
@@ -222,9 +236,11 @@ def main() -> None:
                         help="probability that a block (from block 2 on) holds the previous block's keys")
     parser.add_argument("--start-pitch", type=float, default=0.0, metavar="DEGREES",
                         help="start each clip pitched by whole pitch steps drawn within +-DEGREES (0: level)")
+    parser.add_argument("--first-keys", default="", metavar="KEYS",
+                        help="block 1 presses one of these keys (equally likely), e.g. ikad (default: any key or none)")
     args = parser.parse_args()
     try:
-        script = ScriptConfig(hold=args.hold, start_pitch=args.start_pitch)
+        script = ScriptConfig(hold=args.hold, start_pitch=args.start_pitch, first_keys=args.first_keys)
     except ValueError as error:
         parser.error(f"--{error}")
 

@@ -154,7 +154,8 @@ def model_config(vae: AutoencoderKLWan) -> ModelConfig:
 
 
 def load_vae(folder: str | Path) -> AutoencoderKLWan:
-    vae = AutoencoderKLWan.from_pretrained(Path(folder).expanduser(), torch_dtype=torch.float32)
+    vae = AutoencoderKLWan.from_pretrained(Path(folder).expanduser(), torch_dtype=torch.float32,
+                                           low_cpu_mem_usage=False)  # diffusers' choice without accelerate
     use_fast_cpu_kernels(vae)
     return vae.eval().requires_grad_(False)
 
