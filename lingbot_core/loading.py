@@ -205,7 +205,7 @@ def load_folder(folder: str | Path, *, dtype: torch.dtype = torch.bfloat16, devi
     plan = plan_transformer_shards(folder / "transformer", transformer)
     _check_text_encoder_config(folder / "text_encoder", transformer_config)
 
-    vae = _load_vae(folder / "vae", dtype, device)
+    vae = load_vae(folder / "vae", dtype, device)
     config = _model_config(vae, transformer_config, preset_hint, height, width, folder)
     try:
         check_streamable(vae, config)
@@ -290,7 +290,9 @@ def _check_text_dim(encoder: TextEncoder, transformer_config: TransformerConfig,
                               f"text_dim={transformer_config.text_dim}")
 
 
-def _load_vae(subfolder: Path, dtype: torch.dtype, device: torch.device | str) -> AutoencoderKLWan:
+def load_vae(subfolder: Path, dtype: torch.dtype, device: torch.device | str) -> AutoencoderKLWan:
+    """An AutoencoderKLWan folder (config.json and weights) as an inference module with the fast CPU kernels;
+    the pipeline's loader and the training commands both read VAEs through it."""
     class_name = _read_json(subfolder / "config.json").get("_class_name", "AutoencoderKLWan")
     if class_name != "AutoencoderKLWan":
         raise CheckpointError(f"{subfolder / 'config.json'}: _class_name is {class_name!r}; the VAE is AutoencoderKLWan")

@@ -364,7 +364,8 @@ def test_loading_the_vae_gives_no_advice_to_install_accelerate(checkpoint):
 
     import diffusers.utils.import_utils as import_utils
 
-    assert not import_utils.is_accelerate_available()  # what this test is about; a project that adds it drops this
+    if import_utils.is_accelerate_available():
+        pytest.skip("accelerate is installed here: diffusers has nothing to advise")
     heard: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: heard.append(record.getMessage())

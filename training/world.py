@@ -59,10 +59,10 @@ from diffusers import AutoencoderKLWan
 from tqdm import tqdm
 
 from lingbot_core.config import EMBEDDED, ModelConfig
+from lingbot_core import loading
 from lingbot_core.loading import CheckpointError, build_seeded_parts, load_transformer_shards, plan_transformer_shards
 from lingbot_core.model import camera
 from lingbot_core.model.attention import context_frames
-from lingbot_core.model.cpu_kernels import use_fast_cpu_kernels
 from lingbot_core.model.transformer import CausalLingBotWorldTransformer3DModel
 from lingbot_core.model.vae_stream import check_streamable, condition_mask
 from training.data import StoredClips, array_to_actions, mirror_actions, mirror_poses, start_state
@@ -154,10 +154,8 @@ def model_config(vae: AutoencoderKLWan) -> ModelConfig:
 
 
 def load_vae(folder: str | Path) -> AutoencoderKLWan:
-    vae = AutoencoderKLWan.from_pretrained(Path(folder).expanduser(), torch_dtype=torch.float32,
-                                           low_cpu_mem_usage=False)  # diffusers' choice without accelerate
-    use_fast_cpu_kernels(vae)
-    return vae.eval().requires_grad_(False)
+    """An exported VAE folder in fp32 on the CPU, read as the pipeline's loader reads it."""
+    return loading.load_vae(Path(folder).expanduser(), torch.float32, "cpu")
 
 
 # ---------------------------------------------------------------------------------------------
