@@ -93,7 +93,7 @@ def test_start_act_stream_stop_and_download_matches_replay(server, tmp_path):
                                api_name="/act")
             if segments == 7:
                 assert client.predict(session_id, api_name="/stop").startswith("stopped after")
-    assert telemetry[-1] == "stopped: stopped by the user"
+    assert telemetry[-1].startswith("stopped after") and telemetry[-1].endswith("can be downloaded")
     assert any(t.startswith("block 3 · ") and "ms/block" in t and "sessions active" in t for t in telemetry)
     assert session_id not in engine.session_ids()
 
@@ -329,7 +329,7 @@ def test_every_exit_closes_the_engine_session(server, tmp_path, exit_path, monke
     if exit_path == "input idle":  # the engine's one idle policy (the app's --idle-ttl), made short here
         monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, idle_ttl_s=0.6))
     service = LiveService(engine, tmp_path / "recordings", StreamConfig(lead_s=1e6))
-    seen = []
+    seen, answers = [], []
 
     def after(update, n):
         seen.append(update.session_id)
@@ -339,16 +339,20 @@ def test_every_exit_closes_the_engine_session(server, tmp_path, exit_path, monke
             if exit_path == "tab closed":
                 assert service.close_viewer("tab-1") == 1
             if exit_path == "stop":
-                service.stop(update.session_id, "tab-1")
+                answers.append(service.stop(update.session_id, "tab-1"))
         return None
 
     try:
         updates = collect(service, FOREST, viewer="tab-1", after=after, limit=400)
         session_id = next(s for s in seen if s)
+        blocks = sum(1 for update in updates if update.segment)
         expected = {"generator exit": None, "input idle": "stopped: no input for 1 s; press Start to play again",
-                    "tab closed": "stopped: the tab was closed", "stop": "stopped: stopped by the user"}[exit_path]
+                    "tab closed": "stopped: the tab was closed",
+                    "stop": f"stopped after {blocks} block(s) of this world; the rollout can be downloaded"}[exit_path]
         if expected is not None:
             assert updates[-1].telemetry == expected and updates[-1].finished
+        if exit_path == "stop":  # the page shows Stop's answer and the stream's last line in one field
+            assert answers == [expected]
         wait_until(lambda: session_id not in engine.session_ids(), f"the session to close after {exit_path}")
         assert service.live_session_ids() == []
     finally:

@@ -257,7 +257,7 @@ def test_the_page_plays_a_world_made_by_a_protocol_server_in_another_process(spa
             elif reset_at is not None and not stopped and segments >= reset_at + 5:
                 assert client.predict(session_id, api_name="/stop").startswith("stopped after")
                 stopped = True
-        assert stopped and telemetry[-1] == "stopped: stopped by the user"
+        assert stopped and telemetry[-1].startswith("stopped after")
         assert any(f"from {server.url}" in t for t in telemetry)
 
         mp4_data, replay_data = client.predict(session_id, api_name="/download")  # the world after the reset

@@ -250,6 +250,14 @@ class _Record:
     discarded: bool = False  # its viewer left: delete the recording once nothing writes to it
 
 
+STOPPED_BY_USER = "stopped by the user"  # the close reason of Stop: the stream ends on stopped_line for it
+
+
+def stopped_line(record: _Record) -> str:
+    """What a stopped world says, from Stop and from its stream alike (the page shows whichever comes last)."""
+    return f"stopped after {len(record.recording.segments)} block(s) of this world; the rollout can be downloaded"
+
+
 @dataclass
 class _Claim:
     """One running stream, counted against its viewer's and its address's limits while it holds a place
@@ -439,6 +447,10 @@ class LiveService:
                 continue
             if isinstance(message, Closed):
                 self._mark_ended(record)
+                if message.reason == STOPPED_BY_USER:
+                    # The same line Stop answers with: the page shows both, in either order, in one field.
+                    yield StreamUpdate(None, stopped_line(record), session_id, True)
+                    return
                 hint = "; press Start to play again" if message.idle else ""
                 yield StreamUpdate(None, f"stopped: {message.reason}{hint}", session_id, True)
                 return
@@ -615,9 +627,8 @@ class LiveService:
 
     def stop(self, session_id: str, viewer: str | None = None) -> str:
         record = self._record(session_id, viewer)
-        self._end(record, "stopped by the user")
-        blocks = len(record.recording.segments)
-        return f"stopped after {blocks} block(s) of this world; the rollout can be downloaded"
+        self._end(record, STOPPED_BY_USER)
+        return stopped_line(record)
 
     def reset(self, session_id: str, image, prompt, seed, viewer: str | None = None) -> str:
         """A new world (image, prompt, seed) in the same session and the same stream."""
