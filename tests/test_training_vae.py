@@ -147,3 +147,72 @@ def test_block_psnr_scores_each_block_of_the_streamed_clip(straight_run):
         want.append([psnr(recon[:, :9], video[:, :9]), psnr(recon[:, 9:21], video[:, 9:21])])
     assert video.shape[1] == 21
     assert block_psnr(vae, TINY, clips) == pytest.approx([(a + b) / 2 for a, b in zip(*want)])
+
+
+def _stored_clips(folder, count: int, config) -> None:
+    """`count` clips of one block in training.data's layout: clip i a grey ramp from left to right (so a
+    mirrored window differs) whose mean level, 20 i + 25.5, names the clip."""
+    import numpy as np
+
+    frames = config.pixel_frames_for_blocks(1)
+    ramp = np.arange(config.width).reshape(1, 1, -1, 1) * 32 // config.width
+    for i in range(count):
+        video = np.broadcast_to(20 * i + 10 + ramp, (frames, config.height, config.width, 3)).astype(np.uint8)
+        np.savez(folder / f"clip_{i:07d}.npz", video=video,
+                 actions=np.zeros((3, 8), dtype=np.uint8), latent_poses=np.zeros((3, 4, 4)),
+                 intrinsics=np.zeros(4), world_seed=np.int64(i))
+
+
+def test_a_decoder_only_run_decodes_the_world_models_own_latents_of_a_share_of_its_clips(tmp_path, straight_run):
+    """training.vae --rollouts: each item is a whole stored clip, unmirrored, with the rollouts file's
+    latents of that clip to decode (the world model's own for a share of the items, the encoder's for
+    the rest), taken back to the VAE's scale by the start export's statistics; item j depends on
+    (data_seed, j) only; the loss decodes those latents against the clip's frames."""
+    from training.data import StoredClips
+    from training.vae import ROLLOUTS_FORMAT, decode_unclamped, losses, stored_batches
+
+    _, vae = straight_run
+    mean, std = [0.5, -0.25, 0.125, 1.0], [2.0, 0.5, 1.5, 0.75]
+    start = export_vae(vae, tmp_path / "start", mean, std)
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    _stored_clips(clips, 6, TINY.model_config())
+    own, encoded = torch.randn(8, 4, 3, 4, 4).half(), torch.randn(8, 4, 3, 4, 4)  # 8 clips of 1 block
+    stats = {"latents_mean": mean, "latents_std": std}
+    torch.save({"format": ROLLOUTS_FORMAT, "latents": own, "encoded": encoded, **stats}, tmp_path / "rollouts.pt")
+    tc = VaeTrainConfig(**{**TINY.__dict__, "init_from": str(start), "decoder_only": True, "posterior": "mean",
+                           "clips_dir": str(clips), "stored_clips": 6, "loss": "mse",
+                           "rollouts": str(tmp_path / "rollouts.pt"), "rollout_share": 0.5})
+
+    def scaled(latents):
+        return latents.float() * torch.tensor(std).view(4, 1, 1, 1) + torch.tensor(mean).view(4, 1, 1, 1)
+
+    batches, used, seen = list(stored_batches(tc, 0, 60)), 0, set()
+    for batch in batches:
+        video, (latents,) = batch.video, batch.latents
+        index = round(((float(video.mean()) + 1.0) * 127.5 - 25.5) / 20)  # the clip, by its mean level
+        assert torch.equal(video[0], StoredClips(clips, 6).video(index))  # its whole clip, unmirrored
+        is_own = torch.equal(latents, scaled(own[index]))
+        assert is_own or torch.equal(latents, scaled(encoded[index]))
+        used += is_own
+        seen.add(index)
+    assert 15 <= used <= 45 and seen == set(range(6)), (used, seen)
+    resumed = list(stored_batches(tc, 40, 42))  # a resumed run draws the same items
+    assert all(torch.equal(a.latents, b.latents) and torch.equal(a.video, b.video)
+               for a, b in zip(resumed, batches[40:42]))
+
+    batch = batches[0]
+    with torch.no_grad():
+        terms = losses(vae, batch.video, tc, torch.Generator(), batch.latents)
+        want = (decode_unclamped(vae, batch.latents) - batch.video).square().mean()
+    assert float(terms["rec"]) == pytest.approx(float(want), rel=1e-6) and float(terms["kl"]) == 0.0
+
+    with pytest.raises(ValueError, match="decoder-only"):
+        VaeTrainConfig(**{**tc.__dict__, "decoder_only": False})
+    torch.save({"format": ROLLOUTS_FORMAT, "latents": own[:4], "encoded": encoded[:4], **stats}, tmp_path / "few.pt")
+    with pytest.raises(ValueError, match="holds 4 clips"):
+        next(stored_batches(VaeTrainConfig(**{**tc.__dict__, "rollouts": str(tmp_path / "few.pt")}), 0, 1))
+    torch.save({"format": ROLLOUTS_FORMAT, "latents": own, "encoded": encoded, "latents_mean": [0.0] * 4,
+                "latents_std": std}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="other latent statistics"):
+        next(stored_batches(VaeTrainConfig(**{**tc.__dict__, "rollouts": str(tmp_path / "other.pt")}), 0, 1))

@@ -410,3 +410,38 @@ def test_world_data_holds_each_clips_cameras_from_its_start_pose_mirror_images_i
     batch = data.batch(tc, 0)
     drawn = [int(np.random.default_rng([tc.data_seed, 11, j]).integers(6)) for j in range(tc.batch)]
     assert torch.equal(batch["plucker"], data.plucker[drawn])
+
+
+def test_own_rollouts_roll_out_every_clip_in_order_from_its_own_condition_and_keys(monkeypatch):
+    """training.world --rollouts: one rollout per stored clip, clips 0 .. count - 1 in order, each from its
+    own condition and cameras (clip i's rollout is rollout_context of clip i's inputs), in half precision."""
+    import training.world as world
+
+    config, model, _, extra, plucker, _ = _model_and_inputs(2)
+    monkeypatch.setattr(world, "text_states", lambda c: torch.randn(len(world.PROMPTS), 4, c.transformer.text_dim,
+                                                                     generator=torch.Generator().manual_seed(3)))
+    clips = 5
+    extras = extra.repeat(clips, 1, 1, 1, 1) + torch.arange(clips).view(-1, 1, 1, 1, 1)  # each clip its own
+    pluckers = plucker.repeat(clips, 1, 1, 1, 1)
+
+    class Data:
+        asked: list[list[int]] = []
+
+        def items(self, index):
+            self.asked.append(index)
+            return {"extra": extras[index], "plucker": pluckers[index]}
+
+    data = Data()
+    got = world.own_rollouts(model, config, data, clips, seed=4, batch=2, progress=False)
+    assert data.asked == [[0, 1], [2, 3], [4]] and got.dtype == torch.float16
+    assert got.shape == (clips, config.transformer.out_channels, *extra.shape[2:])
+    # The second batch alone, drawn as own_rollouts draws it: after the first batch's prompt and noise,
+    # its prompt, then its sampler noise.
+    generator = torch.Generator().manual_seed(4)
+    texts = world.text_states(config)
+    for index in ([0, 1], [2, 3]):
+        prompt = torch.randint(len(world.PROMPTS), (1,), generator=generator).item()
+        want = world.rollout_context(model, config, data.items(index),
+                                     model.prepare_text(texts[prompt:prompt + 1].expand(2, -1, -1)), generator)
+    assert torch.equal(got[2:4], want.half())
+    assert not torch.equal(got[2], got[3])

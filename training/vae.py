@@ -4,7 +4,7 @@
                            [--blocks 1] [--batch 2] [--lr 2e-4] [--lr-decay-from -1] [--lr-final 0.1]
                            [--kl-weight 1e-6] [--loss l1] [--seed 0] [--init-from RUN_OR_EXPORT] [--decoder-only]
                            [--data-seed 0] [--run-dir DIR] [--eval-every 500] [--eval-blocks 2] [--checkpoint-every 100]
-                           [--workers 1] [--threads 1]
+                           [--workers 1] [--threads 1] [--rollouts FILE --rollout-share 0.5]
     python -m training.vae --run-dir DIR --export OUT      # OUT/vae/: fp16 safetensors, diffusers layout
     python -m training.vae --run-dir DIR_OR_OUT/vae --evaluate [--eval-clips 4] [--eval-blocks 2]  # held-out PSNR
 
@@ -48,7 +48,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -69,6 +69,7 @@ CHECKPOINT = "last.pt"
 LOG = "log.jsonl"
 CHECKPOINT_FORMAT = 1
 EXPORT_WEIGHTS = SAFETENSORS_WEIGHTS_NAME  # the file save_pretrained writes in OUT/vae/
+ROLLOUTS_FORMAT = 1  # python -m training.world --rollouts
 EVAL_DATA_SEED = 0  # held-out clips i = 0 .. eval_clips - 1 of this data seed: the same clips at every evaluation
 
 
@@ -115,6 +116,14 @@ class VaeTrainConfig:
     # model's latents are (an autoencoder with the KL term as a regulariser; it converges much faster
     # on a CPU budget because the decoder is not fed the posterior's noise early on).
     posterior: str = "sample"
+    # A decoder-only run may decode, against the stored clips' true frames, the world model's own latents
+    # of those clips for a rollout_share of its batch items, and the encoder's latents of them for the
+    # rest (both from a file of `python -m training.world --rollouts`): the decoder then learns the
+    # latents a session actually feeds it, which leave the encoder's as a rollout goes on. Such a run
+    # decodes whole clips, unmirrored (the rollouts are of the clips as rendered), item j of the run
+    # being clip rng([data_seed, j]).integers(N), its own latents where the next draw is under the share.
+    rollouts: str | None = None
+    rollout_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.posterior not in ("sample", "mean"):
@@ -137,6 +146,11 @@ class VaeTrainConfig:
                 and self.crop_height % 16 == 0 and self.crop_width % 16 == 0):
             raise ValueError(f"crop {self.crop_height}x{self.crop_width} must be multiples of 16 within "
                              f"{self.height}x{self.width}")
+        if self.rollouts is not None and not (self.decoder_only and self.clips_dir and self.init_from
+                                              and not self.crop_height and 0.0 < self.rollout_share <= 1.0):
+            raise ValueError("rollouts need a decoder-only run from an exported VAE (--init-from, whose latent "
+                             "statistics they are normalised by) on stored whole clips, no crop, and a "
+                             "rollout_share within (0, 1]")
         self.model_config()  # refuses sizes the model cannot run, before anything is written
 
     def model_config(self, base: ModelConfig = PRESETS["embedded"]) -> ModelConfig:
@@ -179,9 +193,17 @@ def decode_unclamped(vae: AutoencoderKLWan, z: torch.Tensor) -> torch.Tensor:
     return torch.cat(frames, dim=2)
 
 
-def losses(vae: AutoencoderKLWan, video: torch.Tensor, tc: VaeTrainConfig,
-           generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """Loss terms on `video` [B, 3, T, H, W] in [-1, 1]: rec (per pixel), kl (per latent element), loss."""
+def losses(vae: AutoencoderKLWan, video: torch.Tensor, tc: VaeTrainConfig, generator: torch.Generator,
+           latents: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Loss terms on `video` [B, 3, T, H, W] in [-1, 1]: rec (per pixel), kl (per latent element), loss.
+    `latents` (decoder-only runs with rollouts): what to decode, on the VAE's scale, instead of encoding
+    `video`; there is no posterior then, and no KL term."""
+    if latents is not None:
+        if not tc.decoder_only:
+            raise ValueError("given latents are decoded by a decoder-only run only")
+        error = decode_unclamped(vae, latents) - video
+        rec = error.square().mean() if tc.loss == "mse" else error.abs().mean()
+        return {"loss": rec, "rec": rec, "kl": rec.new_zeros(())}
     if tc.decoder_only:
         with torch.no_grad():
             posterior = vae.encode(video).latent_dist
@@ -198,10 +220,10 @@ def losses(vae: AutoencoderKLWan, video: torch.Tensor, tc: VaeTrainConfig,
 
 
 def train_step(vae: AutoencoderKLWan, optimizer: torch.optim.Optimizer, video: torch.Tensor, tc: VaeTrainConfig,
-               generator: torch.Generator) -> dict[str, float]:
+               generator: torch.Generator, latents: torch.Tensor | None = None) -> dict[str, float]:
     vae.train()
     optimizer.zero_grad(set_to_none=True)
-    terms = losses(vae, video, tc, generator)
+    terms = losses(vae, video, tc, generator, latents)
     if not torch.isfinite(terms["loss"]):
         raise FloatingPointError(f"non-finite loss {terms['loss'].item()}; lower --lr (the checkpoint is kept)")
     terms["loss"].backward()
@@ -288,8 +310,63 @@ def _one_thread(_: int) -> None:
     torch.set_num_threads(1)  # render workers: one thread each (see benchmarks/bench_render.py)
 
 
-def stored_batches(tc: VaeTrainConfig, first_step: int, steps: int) -> Iterator[torch.Tensor]:
+class Batch(NamedTuple):
+    video: torch.Tensor  # [B, 3, T, H, W] in [-1, 1]
+    latents: torch.Tensor | None = None  # [B, z, F, h, w] on the VAE's scale: decode these (rollouts runs)
+
+
+class Rollouts(NamedTuple):
+    own: torch.Tensor  # [N, z, F, h, w]: the world model's latents of clips 0 .. N-1, on the VAE's scale
+    encoded: torch.Tensor  # the encoder's latents of the same clips, on the VAE's scale
+
+
+def read_rollouts(tc: VaeTrainConfig) -> Rollouts:
+    """The rollouts file's latents of the run's clips. The file holds them normalised by the init_from
+    export's statistics, as the world model reads and makes them; the decoder takes them back."""
+    state = torch.load(Path(tc.rollouts).expanduser(), map_location="cpu", weights_only=True)
+    if state.get("format") != ROLLOUTS_FORMAT:
+        raise ValueError(f"{tc.rollouts} is not a rollouts file of format {ROLLOUTS_FORMAT} "
+                         "(python -m training.world --rollouts)")
+    statistics = start_latent_stats(tc)
+    if [list(state.get("latents_mean", [])), list(state.get("latents_std", []))] != list(statistics):
+        raise ValueError(f"{tc.rollouts} was normalised by other latent statistics than {tc.init_from}'s: "
+                         "make the rollouts with this VAE (training.world --vae)")
+    frames = tc.blocks * tc.model_config().transformer.num_frames_per_block
+    mean, std = (torch.tensor(v).view(1, -1, 1, 1, 1) for v in statistics)
+    parts = []
+    for name in ("latents", "encoded"):
+        latents = state[name]
+        if len(latents) < tc.stored_clips or latents.shape[1] != tc.z_dim or latents.shape[2] != frames:
+            raise ValueError(f"{tc.rollouts} holds {len(latents)} clips' {name} of {latents.shape[2]} latent frames "
+                             f"and {latents.shape[1]} channels; the run needs {tc.stored_clips} of {frames} and "
+                             f"{tc.z_dim}")
+        parts.append(latents[: tc.stored_clips].float() * std + mean)
+    return Rollouts(*parts)
+
+
+def rollout_batches(tc: VaeTrainConfig, first_step: int, steps: int) -> Iterator[Batch]:
+    """Batches of whole stored clips with the latents to decode for each (see VaeTrainConfig.rollouts)."""
+    stored = StoredClips(tc.clips_dir, tc.stored_clips)
+    frames = tc.model_config().pixel_frames_for_blocks(tc.blocks)
+    rollouts = read_rollouts(tc)
+    for step in range(first_step, steps):
+        videos, latents = [], []
+        for j in range(step * tc.batch, (step + 1) * tc.batch):
+            rng = np.random.default_rng([tc.data_seed, j])
+            index = int(rng.integers(len(stored)))
+            if stored.items[index]["video"].shape[0] != frames:
+                raise ValueError(f"rollouts are of whole clips: clip {index} has "
+                                 f"{stored.items[index]['video'].shape[0]} frames, {tc.blocks} blocks {frames}")
+            videos.append(stored.video(index))
+            latents.append((rollouts.own if rng.random() < tc.rollout_share else rollouts.encoded)[index])
+        yield Batch(torch.stack(videos), torch.stack(latents))
+
+
+def stored_batches(tc: VaeTrainConfig, first_step: int, steps: int) -> Iterator[Batch]:
     """Batches of windows of stored clips; item j is a pure function of (data_seed, j), so runs resume exactly."""
+    if tc.rollouts:
+        yield from rollout_batches(tc, first_step, steps)
+        return
     stored = StoredClips(tc.clips_dir, tc.stored_clips)
     frames = tc.model_config().pixel_frames_for_blocks(tc.blocks)
     for step in range(first_step, steps):
@@ -306,10 +383,10 @@ def stored_batches(tc: VaeTrainConfig, first_step: int, steps: int) -> Iterator[
             if rng.random() < 0.5:
                 video = video.flip(-1)
             items.append(video)
-        yield torch.stack(items)
+        yield Batch(torch.stack(items))
 
 
-def batches(tc: VaeTrainConfig, first_step: int, steps: int, workers: int) -> Iterator[torch.Tensor]:
+def batches(tc: VaeTrainConfig, first_step: int, steps: int, workers: int) -> Iterator[Batch]:
     """Videos [batch, 3, T, H, W] of steps first_step .. steps - 1: step s holds clips s*batch ... ."""
     if tc.clips_dir:
         yield from stored_batches(tc, first_step, steps)
@@ -319,7 +396,7 @@ def batches(tc: VaeTrainConfig, first_step: int, steps: int, workers: int) -> It
     loader = torch.utils.data.DataLoader(dataset, batch_size=tc.batch, num_workers=workers,
                                          worker_init_fn=_one_thread if workers else None)
     for item in loader:
-        yield item["video"]
+        yield Batch(item["video"])
 
 
 def save_checkpoint(run_dir: Path, tc: VaeTrainConfig, step: int, vae: AutoencoderKLWan,
@@ -372,10 +449,10 @@ def train(tc: VaeTrainConfig, run_dir: Path, steps: int, *, workers: int = 0, ev
     bar = tqdm(total=steps, initial=step, unit="step", disable=not progress, dynamic_ncols=True)
     with open(run_dir / LOG, "a") as log:
         started = time.perf_counter()
-        for video in batches(tc, step, steps, workers):
+        for batch in batches(tc, step, steps, workers):
             for group in optimizer.param_groups:
                 group["lr"] = tc.learning_rate(step, steps)
-            terms = train_step(vae, optimizer, video, tc, generator)
+            terms = train_step(vae, optimizer, batch.video, tc, generator, batch.latents)
             step += 1
             record = {"step": step, **{k: round(v, 6) for k, v in terms.items()},
                       "seconds": round(time.perf_counter() - started, 3)}
@@ -464,7 +541,8 @@ def _config_from_args(args: argparse.Namespace) -> VaeTrainConfig:
                           loss=args.loss, seed=args.seed, data_seed=args.data_seed, supersample=args.supersample,
                           clips_dir=args.clips_dir, stored_clips=args.stored_clips, crop_height=crop[0],
                           crop_width=crop[1], init_from=args.init_from, decoder_only=args.decoder_only,
-                          posterior=args.posterior)
+                          posterior=args.posterior, rollouts=args.rollouts,
+                          rollout_share=args.rollout_share if args.rollouts else 0.0)
 
 
 def main() -> None:
@@ -494,6 +572,10 @@ def main() -> None:
     parser.add_argument("--decoder-only", action="store_true", help="train the decoder only (encoder frozen)")
     parser.add_argument("--posterior", choices=("sample", "mean"), default="sample",
                         help="decode a posterior sample (Wan's recipe) or its mean")
+    parser.add_argument("--rollouts", help="with --decoder-only: also decode the world model's own latents of the "
+                        "stored clips from this file (python -m training.world --rollouts)")
+    parser.add_argument("--rollout-share", type=float, default=0.5,
+                        help="share of the batch items that decode a rollout (with --rollouts)")
     parser.add_argument("--run-dir", help="checkpoint and log folder (default under ~/.cache/lingbot/train/vae/)")
     parser.add_argument("--eval-every", type=int, default=500)
     parser.add_argument("--eval-clips", type=int, default=4)

@@ -5,6 +5,8 @@
                              [--lr-decay-from STEP] [--lr-final 0.1] [--motion-weight W] [--mirror] [--threads 2]
                              [--init-from MODEL_DIR] [--position-shift-share 0.5] [--position-shift-blocks 64]
     python -m training.world --run-dir DIR --export OUT   # OUT/transformer/: fp16 safetensors, diffusers layout
+    python -m training.world --vae DIR/vae --init-from MODEL_DIR --clips-dir DIR --stored-clips N --run-dir DIR \
+                             --rollouts OUT.pt   # the model's own latents of every clip, for training.vae --rollouts
 
 It trains exactly the structure inference runs (lingbot_core/rollout.py `step_block`):
 - the condition of block b is block b of the causal condition stream of the clip's start frame
@@ -72,6 +74,7 @@ CHECKPOINT = "last.pt"
 LOG = "log.jsonl"
 LATENTS = "latents.pt"
 MIRRORED_LATENTS = "latents_mirrored.pt"
+ROLLOUT_BATCH = 6  # clips rolled out at once by --rollouts (the draws of the sampler's noise follow it)
 CHECKPOINT_FORMAT = 1
 
 PROMPTS = (
@@ -383,6 +386,25 @@ def rollout_context(model: CausalLingBotWorldTransformer3DModel, config: ModelCo
     return torch.cat(out, 2)
 
 
+@torch.no_grad()
+def own_rollouts(model: CausalLingBotWorldTransformer3DModel, config: ModelConfig, data: "WorldData",
+                 count: int, seed: int, batch: int = ROLLOUT_BATCH, progress: bool = True) -> torch.Tensor:
+    """[count, z, F, h, w] float16: the model's own latents of stored clips 0 .. count - 1, each rolled out
+    once from its start frame and keys as a session rolls out (`rollout_context`), the prompt and the
+    sampler's noise drawn from `seed`. training.vae --rollouts trains the decoder on them against the
+    clips' true frames."""
+    model.eval()
+    texts = text_states(config)
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for start in tqdm(range(0, count, batch), desc="rollouts", unit="batch", disable=not progress):
+        items = data.items(list(range(start, min(start + batch, count))))
+        prompt = torch.randint(len(PROMPTS), (1,), generator=generator).item()
+        text_kv = model.prepare_text(texts[prompt:prompt + 1].expand(len(items["extra"]), -1, -1))
+        out.append(rollout_context(model, config, items, text_kv, generator).half())
+    return torch.cat(out)
+
+
 class _CommitKV(RecordKV):
     """Reads the block's context like ReadKV and records the block's own K/V like RecordKV."""
 
@@ -423,8 +445,10 @@ class WorldData:
         self.mask = torch.cat([condition_mask(config, b, "cpu", torch.float32) for b in range(tc.blocks)], 2)
 
     def batch(self, tc: WorldTrainConfig, step: int) -> dict:
-        index = [int(np.random.default_rng([tc.data_seed, 11, j]).integers(len(self.latents)))
-                 for j in range(step * tc.batch, (step + 1) * tc.batch)]
+        return self.items([int(np.random.default_rng([tc.data_seed, 11, j]).integers(len(self.latents)))
+                           for j in range(step * tc.batch, (step + 1) * tc.batch)])
+
+    def items(self, index: list[int]) -> dict:
         latents = self.latents[index]
         extra = torch.cat([self.mask.expand(len(index), -1, -1, -1, -1), self.conditions[index]], 1)
         return {"latents": latents, "context": latents, "extra": extra, "plucker": self.plucker[index]}
@@ -562,6 +586,29 @@ def export_transformer(run_dir: Path, out: Path) -> Path:
     return folder
 
 
+def write_rollouts(args: argparse.Namespace, run_dir: Path, out: Path) -> None:
+    """--rollouts: the clips' encodings are cached in run_dir as a training run caches them."""
+    from training.vae import ROLLOUTS_FORMAT
+
+    tc = WorldTrainConfig(vae=str(Path(args.vae).expanduser()), clips_dir=str(Path(args.clips_dir).expanduser()),
+                          stored_clips=args.stored_clips, blocks=args.blocks, seed=args.seed,
+                          init_from=str(Path(args.init_from).expanduser()))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    vae = load_vae(tc.vae)
+    config = model_config(vae)
+    data = WorldData(tc, config, vae, run_dir)
+    model = new_model(config, tc.seed)
+    load_exported_weights(model, tc.init_from)
+    latents = own_rollouts(model, config, data, tc.stored_clips, tc.seed)
+    # Beside them the encoder's latents of the same clips, which the decoder run decodes for its other
+    # items, and the statistics both are normalised by (the decoder run checks its VAE has the same).
+    save_atomically({"format": ROLLOUTS_FORMAT, "latents": latents, "encoded": data.latents[: tc.stored_clips],
+                     "latents_mean": list(vae.config.latents_mean), "latents_std": list(vae.config.latents_std),
+                     "model": tc.init_from, "vae": tc.vae, "clips_dir": tc.clips_dir, "blocks": tc.blocks,
+                     "seed": tc.seed}, out)
+    print(f"{len(latents)} rollouts of {tc.blocks} blocks -> {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     d = WorldTrainConfig(vae="", clips_dir="", stored_clips=1)
@@ -594,12 +641,19 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--export", metavar="DIR", help="write DIR/transformer/ from the run's checkpoint and stop")
+    parser.add_argument("--rollouts", metavar="OUT",
+                        help="write OUT: the --init-from model's own latents of every stored clip, and stop")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     run_dir = Path(args.run_dir).expanduser()
     try:
         if args.export:
             print(export_transformer(run_dir, Path(args.export)))
+            return
+        if args.rollouts:
+            if not (args.vae and args.clips_dir and args.stored_clips and args.init_from):
+                parser.error("--rollouts needs --vae, --clips-dir, --stored-clips and --init-from (the model)")
+            write_rollouts(args, run_dir, Path(args.rollouts).expanduser())
             return
         if not (args.vae and args.clips_dir and args.stored_clips and args.steps):
             parser.error("--vae, --clips-dir, --stored-clips and --steps are required to train")
