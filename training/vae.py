@@ -201,10 +201,8 @@ def losses(vae: AutoencoderKLWan, video: torch.Tensor, tc: VaeTrainConfig, gener
     if latents is not None:
         if not tc.decoder_only:
             raise ValueError("given latents are decoded by a decoder-only run only")
-        error = decode_unclamped(vae, latents) - video
-        rec = error.square().mean() if tc.loss == "mse" else error.abs().mean()
-        return {"loss": rec, "rec": rec, "kl": rec.new_zeros(())}
-    if tc.decoder_only:
+        posterior, recon = None, decode_unclamped(vae, latents)
+    elif tc.decoder_only:
         with torch.no_grad():
             posterior = vae.encode(video).latent_dist
         recon = decode_unclamped(vae, posterior.mean)
@@ -215,7 +213,10 @@ def losses(vae: AutoencoderKLWan, video: torch.Tensor, tc: VaeTrainConfig, gener
         posterior = vae.encode(video).latent_dist
         recon = decode_unclamped(vae, posterior.sample(generator=generator))
     rec = (recon - video).abs().mean() if tc.loss == "l1" else (recon - video).square().mean()
-    kl = 0.5 * (posterior.mean.square() + posterior.var - 1.0 - posterior.logvar).mean()
+    if posterior is None:
+        kl = rec.new_zeros(())
+    else:
+        kl = 0.5 * (posterior.mean.square() + posterior.var - 1.0 - posterior.logvar).mean()
     return {"loss": rec + tc.kl_weight * kl, "rec": rec, "kl": kl}
 
 
