@@ -214,5 +214,7 @@ def test_a_decoder_only_run_decodes_the_world_models_own_latents_of_a_share_of_i
         next(stored_batches(VaeTrainConfig(**{**tc.__dict__, "rollouts": str(tmp_path / "few.pt")}), 0, 1))
     torch.save({"format": ROLLOUTS_FORMAT, "latents": own, "encoded": encoded, "latents_mean": [0.0] * 4,
                 "latents_std": std}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="exported vae/ folder"):  # a run folder has no statistics to undo
+        next(stored_batches(VaeTrainConfig(**{**tc.__dict__, "init_from": str(tmp_path / "clips")}), 0, 1))
     with pytest.raises(ValueError, match="other latent statistics"):
         next(stored_batches(VaeTrainConfig(**{**tc.__dict__, "rollouts": str(tmp_path / "other.pt")}), 0, 1))

@@ -329,6 +329,9 @@ def read_rollouts(tc: VaeTrainConfig) -> Rollouts:
         raise ValueError(f"{tc.rollouts} is not a rollouts file of format {ROLLOUTS_FORMAT} "
                          "(python -m training.world --rollouts)")
     statistics = start_latent_stats(tc)
+    if statistics is None:
+        raise ValueError(f"rollouts need --init-from an exported vae/ folder (whose latent statistics normalised "
+                         f"them), not {tc.init_from}")
     if [list(state.get("latents_mean", [])), list(state.get("latents_std", []))] != list(statistics):
         raise ValueError(f"{tc.rollouts} was normalised by other latent statistics than {tc.init_from}'s: "
                          "make the rollouts with this VAE (training.world --vae)")
@@ -350,14 +353,15 @@ def rollout_batches(tc: VaeTrainConfig, first_step: int, steps: int) -> Iterator
     stored = StoredClips(tc.clips_dir, tc.stored_clips)
     frames = tc.model_config().pixel_frames_for_blocks(tc.blocks)
     rollouts = read_rollouts(tc)
+    lengths = {item["video"].shape[0] for item in stored.items}
+    if lengths != {frames}:
+        raise ValueError(f"rollouts are of whole clips of {tc.blocks} blocks ({frames} frames); the stored clips "
+                         f"have {sorted(lengths)} frames")
     for step in range(first_step, steps):
         videos, latents = [], []
         for j in range(step * tc.batch, (step + 1) * tc.batch):
             rng = np.random.default_rng([tc.data_seed, j])
             index = int(rng.integers(len(stored)))
-            if stored.items[index]["video"].shape[0] != frames:
-                raise ValueError(f"rollouts are of whole clips: clip {index} has "
-                                 f"{stored.items[index]['video'].shape[0]} frames, {tc.blocks} blocks {frames}")
             videos.append(stored.video(index))
             latents.append((rollouts.own if rng.random() < tc.rollout_share else rollouts.encoded)[index])
         yield Batch(torch.stack(videos), torch.stack(latents))

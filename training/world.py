@@ -69,6 +69,7 @@ from lingbot_core.model.transformer import CausalLingBotWorldTransformer3DModel
 from lingbot_core.model.vae_stream import check_streamable, condition_mask
 from training.data import StoredClips, array_to_actions, mirror_actions, mirror_poses, start_state
 from training.runs import decayed_rate, save_atomically, trim_log
+from training.vae import ROLLOUTS_FORMAT
 
 CHECKPOINT = "last.pt"
 LOG = "log.jsonl"
@@ -588,8 +589,6 @@ def export_transformer(run_dir: Path, out: Path) -> Path:
 
 def write_rollouts(args: argparse.Namespace, run_dir: Path, out: Path) -> None:
     """--rollouts: the clips' encodings are cached in run_dir as a training run caches them."""
-    from training.vae import ROLLOUTS_FORMAT
-
     tc = WorldTrainConfig(vae=str(Path(args.vae).expanduser()), clips_dir=str(Path(args.clips_dir).expanduser()),
                           stored_clips=args.stored_clips, blocks=args.blocks, seed=args.seed,
                           init_from=str(Path(args.init_from).expanduser()))
