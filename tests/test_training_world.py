@@ -9,7 +9,7 @@ from lingbot_core.config import tiny_config
 from lingbot_core.kv_cache import KVPagePool, SessionKV
 from lingbot_core.model.transformer import CausalLingBotWorldTransformer3DModel
 from training.world import (RecordKV, WorldTrainConfig, _CommitKV, ReadKV, block_position, motion_weights,
-                            rollout_context, teacher_forced_loss)
+                            rollout_context, sampler_sigmas, teacher_forced_loss)
 from lingbot_core.model.attention import context_frames
 from lingbot_core.pages import PageAllocator
 
@@ -153,6 +153,41 @@ def test_teacher_forced_loss_trains_and_rollout_context_has_the_latent_shape():
     kv = model.prepare_text(torch.ones(1, 4, config.transformer.text_dim))
     context = rollout_context(model, config, batch, kv, torch.Generator().manual_seed(1))
     assert context.shape == x0.shape and torch.isfinite(context).all()
+
+
+@pytest.mark.parametrize("extra_flow_shifts", [(), (1.0,), (1.0, 5.0)])
+def test_the_denoiser_trains_at_the_presets_sigmas_and_those_of_the_extra_flow_shifts(extra_flow_shifts):
+    config = tiny_config()
+    own = config.sampler.sigmas()
+    other = dataclasses.replace(config.sampler, flow_shift=1.0).sigmas()  # 1, 0.75, 0.5, 0.25
+    expected = own + ([s for s in other if s not in own] if extra_flow_shifts else [])
+    assert sampler_sigmas(config, extra_flow_shifts).tolist() == pytest.approx(expected)
+    assert len(expected) == (7 if extra_flow_shifts else 4)  # sigma 1 is in both schedules, once
+
+    # The noisy forwards of teacher_forced_loss see every one of those timesteps and no other; the
+    # commit forwards see t=0.
+    t = config.transformer
+    seen: list[float] = []
+
+    def model(inputs, timestep, text_kv, plucker, position, cache):
+        seen.extend(timestep.tolist())
+        return torch.zeros(inputs.shape[0], t.out_channels, *inputs.shape[2:])
+
+    blocks, batch = 4, 16
+    frames = blocks * t.num_frames_per_block
+    x0 = torch.randn(batch, t.out_channels, frames, config.latent_height, config.latent_width)
+    data = {"latents": x0, "context": x0,
+            "extra": torch.zeros(batch, t.in_channels - t.out_channels, *x0.shape[2:]),
+            "plucker": torch.zeros(batch, frames, t.camera_channels, config.height, config.width)}
+    teacher_forced_loss(model, config, data, None, torch.Generator().manual_seed(0),
+                        extra_flow_shifts=extra_flow_shifts)
+    noisy = sorted({round(x, 2) for x in seen if x > 0})  # float32 timesteps
+    assert noisy == sorted({round(config.sampler.num_train_timesteps * s, 2) for s in expected})
+    assert seen.count(0.0) == blocks * batch
+    with pytest.raises(ValueError, match="flow shift"):
+        WorldTrainConfig(vae="v", clips_dir="c", stored_clips=1, extra_flow_shifts=(0.0,))
+    # A checkpoint stores them as a list; the run's settings compare equal to the command's tuple.
+    assert WorldTrainConfig(vae="v", clips_dir="c", stored_clips=1, extra_flow_shifts=[5]).extra_flow_shifts == (5.0,)
 
 
 def test_motion_weights_count_where_the_true_latents_change():

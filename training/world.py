@@ -4,6 +4,7 @@
                              [--lr 3e-4] [--rollout-from STEP] [--rollout-share 0.5] [--seed 0] [--run-dir DIR]
                              [--lr-decay-from STEP] [--lr-final 0.1] [--motion-weight W] [--mirror] [--threads 2]
                              [--init-from MODEL_DIR] [--position-shift-share 0.5] [--position-shift-blocks 64]
+                             [--extra-flow-shifts SHIFT ...]
     python -m training.world --run-dir DIR --export OUT   # OUT/transformer/: fp16 safetensors, diffusers layout
     python -m training.world --vae DIR/vae --init-from MODEL_DIR --clips-dir DIR --stored-clips N --run-dir DIR \
                              --rollouts OUT.pt   # the model's own latents of every clip, for training.vae --rollouts
@@ -121,6 +122,11 @@ class WorldTrainConfig:
     # RoPE time (see the module docstring): teaches the distances of long sessions (0: never).
     position_shift_share: float = 0.0
     position_shift_blocks: int = 64
+    # The denoiser also learns the sigmas that the sampler's timesteps give under these flow shifts,
+    # drawn as often as the preset's own (the rollouts keep the preset's schedule). A model moving to a
+    # new schedule keeps the old one this way, so one run can be measured under both (empty: only the
+    # preset's four).
+    extra_flow_shifts: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.blocks < 1 or self.batch < 1 or self.stored_clips < 1:
@@ -135,6 +141,10 @@ class WorldTrainConfig:
             raise ValueError("position_shift_share must be within [0, 1]")
         if self.position_shift_blocks < 1:
             raise ValueError("position_shift_blocks must be at least 1")
+        # A checkpoint stores the run's settings as lists; compare them as the tuple a command gives.
+        object.__setattr__(self, "extra_flow_shifts", tuple(float(x) for x in self.extra_flow_shifts))
+        if any(not shift > 0.0 for shift in self.extra_flow_shifts):
+            raise ValueError("every extra flow shift must be above 0")
 
     def position_shift(self, step: int, frames_per_block: int) -> int:
         """Latent frames by which step's batch moves its blocks after the sink (0: where they are).
@@ -298,8 +308,14 @@ def block_position(start: int, shift: int, config: ModelConfig) -> int:
     return start if start < config.transformer.sink_size else start + shift
 
 
-def sampler_sigmas(config: ModelConfig) -> torch.Tensor:
-    return torch.tensor(config.sampler.sigmas(), dtype=torch.float32)
+def sampler_sigmas(config: ModelConfig, extra_flow_shifts: tuple[float, ...] = ()) -> torch.Tensor:
+    """The sigmas the denoiser trains at: the preset's schedule, then those of each extra flow shift
+    (`WorldTrainConfig.extra_flow_shifts`) that it does not already hold, in that order."""
+    sigmas = list(config.sampler.sigmas())
+    for shift in extra_flow_shifts:
+        other = dataclasses.replace(config.sampler, flow_shift=shift).sigmas()
+        sigmas += [s for s in other if all(abs(s - have) > 1e-9 for have in sigmas)]
+    return torch.tensor(sigmas, dtype=torch.float32)
 
 
 def motion_weights(x0: torch.Tensor, motion_weight: float) -> torch.Tensor:
@@ -314,10 +330,11 @@ def motion_weights(x0: torch.Tensor, motion_weight: float) -> torch.Tensor:
 
 def teacher_forced_loss(model: CausalLingBotWorldTransformer3DModel, config: ModelConfig, batch: dict,
                         text_kv, generator: torch.Generator, motion_weight: float = 0.0,
-                        shift: int = 0) -> torch.Tensor:
+                        shift: int = 0, extra_flow_shifts: tuple[float, ...] = ()) -> torch.Tensor:
     """Mean squared x0 error of every block given the context latents in batch['context'], each
     position weighted by `motion_weights` (a plain mean when motion_weight is 0). `shift`: latent
     frames by which the blocks after the sink sit later in RoPE time (`block_position`).
+    `extra_flow_shifts`: more sigmas each block's noise level is drawn from (`sampler_sigmas`).
 
     Block by block, as inference runs: a t=0 forward of the block's clean context latents reads the
     K/V its context frames recorded and records its own (the commit), and a forward of its noisy
@@ -329,7 +346,7 @@ def teacher_forced_loss(model: CausalLingBotWorldTransformer3DModel, config: Mod
     b, _, frames = x0.shape[:3]
     per_block = config.transformer.num_frames_per_block
     tokens = config.tokens_per_frame
-    sigmas = sampler_sigmas(config)
+    sigmas = sampler_sigmas(config, extra_flow_shifts)
     choice = torch.randint(len(sigmas), (b, frames // per_block), generator=generator)
     noise = torch.randn(x0.shape, generator=generator)
     weights = motion_weights(x0, motion_weight)
@@ -549,7 +566,8 @@ def train(tc: WorldTrainConfig, run_dir: Path, steps: int, checkpoint_every: int
                 batch["context"] = rollout_context(model, config, batch, text_kv, generator, shift).detach()
                 model.train()
                 text_kv = model.prepare_text(texts[prompt:prompt + 1].expand(tc.batch, -1, -1))
-            loss = teacher_forced_loss(model, config, batch, text_kv, generator, tc.motion_weight, shift)
+            loss = teacher_forced_loss(model, config, batch, text_kv, generator, tc.motion_weight, shift,
+                                       tc.extra_flow_shifts)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss at step {step}; lower --lr (the checkpoint is kept)")
             for group in optimizer.param_groups:
@@ -636,6 +654,9 @@ def main() -> None:
                         help="share of batches whose blocks after the sink sit later in RoPE time, as in a long session")
     parser.add_argument("--position-shift-blocks", type=int, default=d.position_shift_blocks,
                         help="the largest such shift, in blocks (drawn uniformly from 1 up)")
+    parser.add_argument("--extra-flow-shifts", type=float, nargs="*", default=list(d.extra_flow_shifts),
+                        metavar="SHIFT", help="also train at the sigmas of the sampler's timesteps under these "
+                        "flow shifts (the rollouts keep the preset's own schedule)")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--threads", type=int, default=2)
@@ -664,6 +685,7 @@ def main() -> None:
                               motion_weight=args.motion_weight, mirror=args.mirror,
                               position_shift_share=args.position_shift_share,
                               position_shift_blocks=args.position_shift_blocks,
+                              extra_flow_shifts=tuple(args.extra_flow_shifts),
                               init_from=str(Path(args.init_from).expanduser()) if args.init_from else "")
         print(f"run {run_dir}")
         train(tc, run_dir, args.steps, args.checkpoint_every)
