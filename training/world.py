@@ -685,7 +685,7 @@ def main() -> None:
                               motion_weight=args.motion_weight, mirror=args.mirror,
                               position_shift_share=args.position_shift_share,
                               position_shift_blocks=args.position_shift_blocks,
-                              extra_flow_shifts=tuple(args.extra_flow_shifts),
+                              extra_flow_shifts=args.extra_flow_shifts,  # made a tuple by the config
                               init_from=str(Path(args.init_from).expanduser()) if args.init_from else "")
         print(f"run {run_dir}")
         train(tc, run_dir, args.steps, args.checkpoint_every)
