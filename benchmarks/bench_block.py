@@ -8,9 +8,10 @@ Prints, in one run:
    `--dtype auto` chooses here, with its reason;
 2. the default (auto) against each explicit precision on the same blocks (median ms a block over blocks
    0..compare-blocks-1, condition warm-up included) and whether the default is within 10% of the fastest;
-3. blocks 0..blocks-1 of the default, one line each: wall ms, the stage split (condition, denoise x4,
-   commit, decode), the process's system CPU ms and minor page faults in that block, for a first session
-   from examples/forest.png and then a second session from the same picture (the condition stream shared);
+3. blocks 0..blocks-1 of the default, one line each: wall ms, the stage split (condition; denoise: the
+   sampler's 4 forwards and one more for each step with action guidance; commit; decode), the process's
+   system CPU ms and minor page faults in that block, for a first session from examples/forest.png and
+   then a second session from the same picture (the condition stream shared);
 4. with --app: `python app.py` started as a user starts it: seconds to its "ready at" line, to a page that
    answers, and from pressing Start (gradio_client /start) to the first video segment;
 5. with --compile: the default precision eager against torch.compile (transformer blocks and decoder step):
@@ -69,9 +70,9 @@ def run_blocks(pipe, blocks: int, conditions: ConditionCache | None = None) -> l
     return rows
 
 
-def print_rows(title: str, rows: list[dict[str, float]]) -> None:
+def print_rows(title: str, rows: list[dict[str, float]], denoise_forwards: int) -> None:
     print(f"\n{title}")
-    print(f"{'block':>5} {'wall ms':>8} {'condition':>9} {'denoise x4':>10} {'commit':>7} {'decode':>7} "
+    print(f"{'block':>5} {'wall ms':>8} {'condition':>9} {f'denoise x{denoise_forwards}':>10} {'commit':>7} {'decode':>7} "
           f"{'sys ms':>7} {'faults':>7}")
     for r in rows:
         print(f"{r['block']:5d} {r['wall']:8.0f} {r['condition']:9.0f} {r['denoise']:10.0f} {r['commit']:7.0f} "
@@ -255,10 +256,12 @@ def main() -> None:
     if args.blocks:
         conditions = ConditionCache(max_bytes=1 << 30)
         print(f"\n3. the default ({pipe.precision.name}), blocks 0-{args.blocks - 1} one by one")
+        sampler = pipe.config.sampler  # four steps, and a still-camera forward on each guided one
+        forwards = len(sampler.timesteps) + sampler.guided_steps
         print_rows("first session from examples/forest.png (pays the condition warm-up)",
-                   run_blocks(pipe, args.blocks, conditions))
+                   run_blocks(pipe, args.blocks, conditions), forwards)
         print_rows("second session from the same picture (condition stream shared)",
-                   run_blocks(pipe, args.blocks, conditions))
+                   run_blocks(pipe, args.blocks, conditions), forwards)
     del pipe
 
     if args.app:

@@ -26,7 +26,9 @@ Measured (lingbot_core/world/metrics.py holds every estimator):
   of blocks; its magnitude is within 30% of the truth's: the median ratio |generated| / |true| per kind
   of motion (turn, pitch, walk, step) lies in [0.7, 1.3] (the share of blocks within 30% is printed too).
 - no collapse: on every seed's walk, the last block's pixel mean, contrast (std) and high-frequency
-  energy (mean |Laplacian|) are within 20% of block 4's.
+  energy (mean |Laplacian|) are within 20% of block 4's. The truth's own ratios over the same blocks
+  are printed beside them: a world can brighten or darken along the walk by itself (world 1000002's
+  16-block walk brightens x1.76 in the renderer), and a model that follows it fails this check.
 - the ceiling: the ground truth's round trip through the model's own VAE, streamed as a session
   streams (`training.vae.stream_reconstruct`), measured exactly as the model is. A perfect world model
   would show these frames, so their PSNR and motion are the most the model can reach through its VAE.
@@ -116,10 +118,11 @@ def threads(count: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def ground_truth(world, path, config: ModelConfig, frames: int) -> torch.Tensor:
-    """[frames, 3, H, W] in [0, 1], quantised to uint8 levels as the training clips were stored."""
+def ground_truth(world, path, config: ModelConfig, frames: slice) -> torch.Tensor:
+    """[T, 3, H, W] in [0, 1] for the pixel frames `frames` of the path, quantised to uint8 levels as the
+    training clips were stored."""
     with threads(1):
-        rgb = render(world, path.pixel_poses[:frames], path.intrinsics, config.width, config.height, SUPERSAMPLE)
+        rgb = render(world, path.pixel_poses[frames], path.intrinsics, config.width, config.height, SUPERSAMPLE)
     return torch.from_numpy(to_uint8(rgb)).permute(0, 3, 1, 2).float() / 255.0
 
 
@@ -172,7 +175,8 @@ class Records:
     def __init__(self) -> None:
         self.fidelity = defaultdict(lambda: defaultdict(list))  # block -> metric -> values (one per rollout)
         self.motion = defaultdict(list)  # block -> [(who, script, key, generated, true)]
-        self.collapse: list[tuple[int, str, float]] = []  # (seed, statistic, ratio last / block 4)
+        # (seed, statistic, the model's ratio last block / block 4, the truth's ratio over the same blocks)
+        self.collapse: list[tuple[int, str, float, float]] = []
 
     def add_fidelity(self, config: ModelConfig, who: str, frames: torch.Tensor, truth: torch.Tensor) -> None:
         p, s = psnr(frames, truth), ssim(frames, truth)
@@ -246,7 +250,7 @@ def evaluate(args) -> tuple[Records, str, int]:
         for script in plan:
             began = time.perf_counter()
             path = key_path(held_keys(script.keys_per_block, config.transformer.num_frames_per_block), config)
-            truth = ground_truth(world, path, config, config.pixel_frames_for_blocks(script.compare_blocks))
+            truth = ground_truth(world, path, config, slice(0, config.pixel_frames_for_blocks(script.compare_blocks)))
             is_walk = script.name == "walk"
             last = len(script.keys_per_block) - 1
             stats_blocks = {COLLAPSE_BLOCK, last} if is_walk else set()
@@ -267,9 +271,14 @@ def evaluate(args) -> tuple[Records, str, int]:
                 records.add_fidelity(config, "random", baseline_frames, truth)
                 records.add_motion(config, "random", script, baseline_frames, truth)
             if is_walk:
+                # The truth's own change over the same blocks: a walk can brighten or darken in the world
+                # itself, which no check of the model alone can tell from a drift.
+                true_stats = {block: frame_statistics(ground_truth(world, path, config, block_frames(config, block)))
+                              for block in (COLLAPSE_BLOCK, last)}
                 for index, name in enumerate(("mean", "contrast", "high_frequency")):
                     ratio = model.statistics[last][index] / max(model.statistics[COLLAPSE_BLOCK][index], 1e-12)
-                    records.collapse.append((seed, name, ratio))
+                    true_ratio = true_stats[last][index] / max(true_stats[COLLAPSE_BLOCK][index], 1e-12)
+                    records.collapse.append((seed, name, ratio, true_ratio))
             print(f"  world {seed} {script.name:>4}: {len(script.keys_per_block)} blocks, "
                   f"{time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
     return records, note, blocks_run
@@ -311,6 +320,13 @@ def per_key_table(records: Records) -> None:
             vae = f"({statistics.median(ceiling):.2f})" if ceiling else ""
             cells.append(f"{('!' if against else '') + f'{ratio:.2f}' + vae:>12}")
         print(f"{name:>6} {key:>3} | " + " ".join(cells))
+
+
+def collapse_lines(records: Records, last: int) -> list[str]:
+    """One line per walk: the model's ratios of its last block's statistics to block 4's, the truth's in brackets."""
+    return [f"Walk of world {seed}, block {last} against block {COLLAPSE_BLOCK}, the model (the truth): " + ", ".join(
+        f"{name} x{ratio:.2f} (x{true_ratio:.2f})" for s, name, ratio, true_ratio in records.collapse if s == seed)
+        for seed in dict.fromkeys(c[0] for c in records.collapse)]
 
 
 def report(records: Records, args, note: str, blocks_run: int, seconds: float) -> bool:
@@ -358,8 +374,11 @@ def report(records: Records, args, note: str, blocks_run: int, seconds: float) -
     print(f"Ceiling, the truth through the VAE and back: PSNR blocks {target_blocks[0]}-{target_blocks[-1]} "
           f"{vae_db:.2f} dB; sign {100 * vae_agree / max(vae_measured, 1):.0f}%; median |g|/|t| "
           f"{', '.join(f'{k} {v:.2f}' for k, v in vae_medians.items())}")
+    for line in collapse_lines(records, last):
+        print(line)
     verdict = lambda ok: "PASS" if ok else "FAIL"  # noqa: E731
-    collapse_text = (f"worst {worst[1]} x{worst[2]:.2f} (world {worst[0]})" if worst else "no walk")
+    collapse_text = (f"worst {worst[1]} x{worst[2]:.2f} (world {worst[0]}; the truth x{worst[3]:.2f})"
+                     if worst else "no walk")
     print(f"SUMMARY: PSNR blocks {target_blocks[0]}-{target_blocks[-1]} {verdict(psnr_ok)} "
           f"{model_db:.2f} dB vs repeat {repeat_db:.2f} (+{model_db - repeat_db:.2f}, target +{PSNR_MARGIN_DB:.0f}), "
           f"random {random_db:.2f}; sign {verdict(sign_ok)} {100 * sign_rate:.1f}% of {measured} "

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         for key in "jl":
             script = Script(key, ("",) + (key,) * BLOCKS, BLOCKS + 1)
             path = key_path(held_keys(script.keys_per_block, config.transformer.num_frames_per_block), config)
-            truth = ground_truth(world, path, config, config.pixel_frames_for_blocks(BLOCKS + 1))
+            truth = ground_truth(world, path, config, slice(0, config.pixel_frames_for_blocks(BLOCKS + 1)))
             records.add_motion(config, "model", script, roll_out(pipe, image, script, set()).frames, truth)
     agree, measured, skipped, ratios = _following(records.following("model"))
     print(f"CPU: {cpu_kind()}; model {args.model}, {args.dtype}; worlds {WORLDS.start}..{WORLDS.stop - 1} (held out)")

@@ -137,15 +137,21 @@ def step_block(config: ModelConfig, transformer, vae, pool: KVPagePool, pages: P
         enter("denoise")
         block_kv = state.kv.view(pool, config, start_frame)
 
-        def velocity(x_t: torch.Tensor, timestep: float) -> torch.Tensor:
-            return transformer(torch.cat([x_t, extra], dim=1), _timestep(timestep, device), state.text_kv, plucker,
-                               start_frame, cache=block_kv)
+        def velocity_with(camera_map: torch.Tensor):
+            def velocity(x_t: torch.Tensor, timestep: float) -> torch.Tensor:
+                return transformer(torch.cat([x_t, extra], dim=1), _timestep(timestep, device), state.text_kv,
+                                   camera_map, start_frame, cache=block_kv)
+            return velocity
 
+        still_velocity = None
+        if config.sampler.guided_steps:  # action guidance: the same block with the camera held still
+            still_velocity = velocity_with(_still_plucker(config, state.camera, intrinsics, device, dtype))
         generator = torch.Generator(device="cpu")
         generator.set_state(state.rng_state)
         latent_shape = (1, config.transformer.out_channels, frames_per_block, config.latent_height,
                         config.latent_width)
-        latents = sample_block(velocity, latent_shape, config.sampler, generator, device)
+        latents = sample_block(velocity_with(plucker), latent_shape, config.sampler, generator, device,
+                               still_velocity)
 
         # 4. Commit forward at t=0 on the clean latents: the same context; writes this block's K/V into its
         #    reserved pages. The gathered window is the transformer's working memory: it goes before decoding.
@@ -213,6 +219,15 @@ def _block_camera(config: ModelConfig, camera_state: camera.CameraState, control
     actions = control.actions if control.actions is not None else (frozenset(),) * frames_per_block
     poses, next_camera = camera.integrate_actions(camera_state, actions, config.camera)
     return poses, camera.reference_intrinsics(config.camera, frames_per_block, config.width, config.height), next_camera
+
+
+def _still_plucker(config: ModelConfig, camera_state: camera.CameraState, intrinsics: np.ndarray, device,
+                   dtype) -> torch.Tensor:
+    """[1, F, 6, H, W]: the Plücker map of this block with the camera held where the last block left it
+    (what a block without keys gives), for the sampler's action guidance."""
+    still = np.repeat(camera_state.pose[None], len(intrinsics), axis=0)
+    return camera.plucker_block(camera_state.pose, still, intrinsics, config.width, config.height,
+                                config.camera).unsqueeze(0).to(device=device, dtype=dtype)
 
 
 def _timestep(value: float, device) -> torch.Tensor:

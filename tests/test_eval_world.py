@@ -6,6 +6,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import eval_world  # noqa: E402
+import torch  # noqa: E402
 
 
 def test_per_key_table_gives_the_median_ratio_per_key_and_block_and_marks_wrong_directions(capsys):
@@ -28,3 +29,33 @@ def test_per_key_table_gives_the_median_ratio_per_key_and_block_and_marks_wrong_
     j_row, w_row = lines[1].split(), lines[2].split()
     assert j_row[:3] == ["j", "j", "|"] and j_row[3:] == ["0.75(0.90)", "!0.50"]
     assert w_row[:3] == ["w", "w", "|"] and w_row[3:] == ["-", "1.50"]
+
+
+def test_collapse_lines_give_each_walks_ratios_beside_the_truths():
+    records = eval_world.Records()
+    for seed, ratios in ((7, (1.33, 0.9, 1.1, 1.76, 0.82, 1.16)), (8, (0.95, 1.0, 0.81, 1.08, 0.91, 0.99))):
+        for index, name in enumerate(("mean", "contrast", "high_frequency")):
+            records.collapse.append((seed, name, ratios[index], ratios[3 + index]))
+    lines = eval_world.collapse_lines(records, 16)
+    assert lines == [
+        "Walk of world 7, block 16 against block 4, the model (the truth): "
+        "mean x1.33 (x1.76), contrast x0.90 (x0.82), high_frequency x1.10 (x1.16)",
+        "Walk of world 8, block 16 against block 4, the model (the truth): "
+        "mean x0.95 (x1.08), contrast x1.00 (x0.91), high_frequency x0.81 (x0.99)"]
+
+
+def test_the_truth_of_one_block_is_those_frames_of_the_whole_clips_truth():
+    """The collapse check renders only the blocks it compares; they must be the frames the whole clip has."""
+    from lingbot_core.config import PRESETS
+    from lingbot_core.world import HELD_OUT_SEEDS, held_keys, key_path, make_world
+
+    config = PRESETS["embedded"]
+    world = make_world(HELD_OUT_SEEDS[0])
+    keys = ("", "w", "j")
+    path = key_path(held_keys(keys, config.transformer.num_frames_per_block), config)
+    whole = eval_world.ground_truth(world, path, config, slice(0, config.pixel_frames_for_blocks(len(keys))))
+    for block in (0, 2):
+        part = eval_world.block_frames(config, block)
+        alone = eval_world.ground_truth(world, path, config, part)
+        assert alone.shape[0] == (9 if block == 0 else 12)
+        assert torch.equal(alone, whole[part])

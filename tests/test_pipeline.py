@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from itertools import islice
 
+import numpy as np
 import pytest
 import torch
 
@@ -444,3 +445,103 @@ def test_prompt_switch_changes_output_and_keeps_original_state_usable(tiny_pipel
     fresh = window_run.pools[b].copy()
     same, _ = tiny_pipeline.step(fresh.pool, fresh.pages, respaced, control)
     assert torch.equal(same.latents, window_run.outputs[b].latents)
+
+
+# ---- action guidance: the first steps pushed away from a still camera ----------------------------
+
+
+def test_action_guidance_mixes_the_still_velocity_into_the_first_steps_only():
+    shape = (1, 4, 3, 2, 5)
+    sampler = SamplerConfig(action_guidance=3.0, action_guidance_steps=1)
+    sigmas = sampler.sigmas()
+    calls = []
+
+    def velocity(x_t, timestep):
+        calls.append(("keys", timestep))
+        return 2.0 * x_t + timestep / 1000.0
+
+    def still_velocity(x_t, timestep):
+        calls.append(("still", timestep))
+        return x_t
+
+    generator = torch.Generator().manual_seed(4)
+    got = sample_block(velocity, shape, sampler, generator, "cpu", still_velocity)
+    assert [who for who, _ in calls] == ["keys", "still", "keys", "keys", "keys"]
+
+    # The same loop by hand: step 0 uses x + 3 * (2x + 1 - x); the others the keys' velocity alone.
+    draws = torch.Generator().manual_seed(4)
+    x = torch.randn(shape, generator=draws)
+    for step, sigma in enumerate(sigmas):
+        v = 2.0 * x + sigma
+        if step == 0:
+            v = x + 3.0 * (v - x)
+        x0 = x - sigma * v
+        if step + 1 < len(sigmas):
+            x = (1 - sigmas[step + 1]) * x0 + sigmas[step + 1] * torch.randn(shape, generator=draws)
+    assert torch.allclose(got, x0, rtol=0, atol=1e-5)
+    assert torch.equal(generator.get_state(), draws.get_state())  # guidance draws no noise of its own
+
+    unguided = sample_block(velocity, shape, SamplerConfig(), torch.Generator().manual_seed(4), "cpu")
+    assert not torch.allclose(got, unguided)
+    with pytest.raises(ValueError, match="still-camera velocity"):
+        sample_block(velocity, shape, sampler, torch.Generator().manual_seed(4), "cpu")
+    # a scale of 1 is no guidance: the still forward is never run
+    calls.clear()
+    off = sample_block(velocity, shape, SamplerConfig(action_guidance=1.0, action_guidance_steps=2),
+                       torch.Generator().manual_seed(4), "cpu", still_velocity)
+    assert all(who == "keys" for who, _ in calls) and torch.equal(off, unguided)
+
+
+@pytest.mark.parametrize("bad", [dict(action_guidance=-1.0), dict(action_guidance=float("nan")),
+                                 dict(action_guidance_steps=5), dict(action_guidance_steps=-1)])
+def test_action_guidance_settings_out_of_range_are_refused(bad):
+    with pytest.raises(ValueError, match="action_guidance"):
+        SamplerConfig(**bad)
+
+
+class CameraRecorder(torch.nn.Module):
+    """Wraps the transformer; records the camera map of every forward that only reads the cache."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.read_cameras: list[torch.Tensor] = []
+
+    def prepare_text(self, text_states):
+        return self.inner.prepare_text(text_states)
+
+    def forward(self, hidden_states, timestep, text_kv, plucker, start_frame, cache=None, attn_mask=None):
+        if cache is None or not cache.writes:
+            self.read_cameras.append(plucker)
+        return self.inner(hidden_states, timestep, text_kv, plucker, start_frame, cache=cache, attn_mask=attn_mask)
+
+
+def test_a_guided_block_runs_the_still_camera_once_and_changes_nothing_without_keys(tiny_pipeline, window_run):
+    from lingbot_core.model import camera
+
+    guided_config = dataclasses.replace(
+        WINDOW_CONFIG, sampler=dataclasses.replace(WINDOW_CONFIG.sampler, action_guidance=3.0, action_guidance_steps=1))
+    recorder = CameraRecorder(tiny_pipeline.transformer)
+    guided = dataclasses.replace(tiny_pipeline, config=guided_config, transformer=recorder)
+    moving, still = 2, 3  # CONTROLS[3] holds no key
+    assert CONTROLS[still].actions == (frozenset(),) * BLOCK
+
+    # Keys held: five reads (four steps, one more with the camera held still), a different block.
+    state, paged = window_run.states[moving], window_run.pools[moving].copy()
+    output, _ = guided.step(paged.pool, paged.pages, state, CONTROLS[moving])
+    assert len(recorder.read_cameras) == len(WINDOW_CONFIG.sampler.timesteps) + 1
+    keys_map, still_map = recorder.read_cameras[0], recorder.read_cameras[1]
+    held = np.repeat(state.camera.pose[None], BLOCK, axis=0)
+    intrinsics = camera.reference_intrinsics(WINDOW_CONFIG.camera, BLOCK, WINDOW_CONFIG.width, WINDOW_CONFIG.height)
+    expected = camera.plucker_block(state.camera.pose, held, intrinsics, WINDOW_CONFIG.width, WINDOW_CONFIG.height,
+                                    WINDOW_CONFIG.camera)
+    assert torch.equal(still_map[0], expected.to(still_map.dtype))
+    assert not torch.equal(keys_map, still_map)
+    assert not torch.allclose(output.latents, window_run.outputs[moving].latents)
+
+    # No key: the still camera is the block's own, so v_still + 3 (v - v_still) is v, bit for bit.
+    state, paged = window_run.states[still], window_run.pools[still].copy()
+    output, next_state = guided.step(paged.pool, paged.pages, state, CONTROLS[still])
+    assert torch.equal(output.latents, window_run.outputs[still].latents)
+    assert torch.equal(output.frames, window_run.outputs[still].frames)
+    assert torch.equal(next_state.rng_state, window_run.states[still + 1].rng_state)

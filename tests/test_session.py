@@ -36,7 +36,7 @@ from lingbot_core.serving.session import (
     SessionStatus,
 )
 from lingbot_core.held_bytes import held_bytes
-from lingbot_core.serving.memory import measure_footprint
+from lingbot_core.serving.memory import block_scratch_bytes, measure_footprint
 
 CONFIG = dataclasses.replace(tiny_config(rope_max_seq_len=8, sink_size=3, sliding_window_num_frames=9),
                              vae=dict(WAN21_VAE, base_dim=4, num_res_blocks=1))
@@ -373,7 +373,12 @@ def test_the_footprint_probe_equals_the_peaks_of_a_real_rollout(pipe, pool, page
     session.close()
 
 
-def test_accounted_bytes_match_the_live_tensors_between_and_during_blocks(pipe, pool, pages, image):
+@pytest.mark.parametrize("guided", [False, True], ids=["unguided", "action-guided"])
+def test_accounted_bytes_match_the_live_tensors_between_and_during_blocks(pipe, pool, pages, image, guided):
+    if guided:  # a second Plücker map (the camera held still) lives through the block
+        sampler = dataclasses.replace(CONFIG.sampler, action_guidance=3.0, action_guidance_steps=1)
+        pipe = dataclasses.replace(pipe, config=dataclasses.replace(CONFIG, sampler=sampler))
+        assert block_scratch_bytes(pipe.config, pipe.dtype, pipe.dtype) > block_scratch_bytes(CONFIG, pipe.dtype, pipe.dtype)
     footprint = measure_footprint(pipe)
     session = _session(pipe, pool, pages, image, footprint=footprint)
     during = []

@@ -376,7 +376,9 @@ def teacher_forced_loss(model: CausalLingBotWorldTransformer3DModel, config: Mod
 def rollout_context(model: CausalLingBotWorldTransformer3DModel, config: ModelConfig, batch: dict, text_kv,
                     generator: torch.Generator, shift: int = 0) -> torch.Tensor:
     """The model's own latents for every block, sampled as step_block does (4 steps, then a t=0 commit),
-    the blocks after the sink `shift` latent frames later in RoPE time (`block_position`)."""
+    the blocks after the sink `shift` latent frames later in RoPE time (`block_position`). Without the
+    sampler's action guidance: the shipped weights were trained on unguided rollouts, and the model card's
+    commands rebuild them only so."""
     extra, plucker = batch["extra"], batch["plucker"]
     b, _, frames = extra.shape[:3]
     per_block = config.transformer.num_frames_per_block

@@ -57,7 +57,8 @@ def block_scratch_bytes(config, model_dtype: torch.dtype, vae_dtype: torch.dtype
     """Working tensors a block keeps across its stages, from the config's shapes.
 
     latents and the mask + condition input are float32 (the sampler's dtype); the Plücker map is in the
-    model dtype; the decoded frames are in the VAE dtype. Transformer activations are transient within a
+    model dtype, and with action guidance a second one (the camera held still) lives beside it; the
+    decoded frames are in the VAE dtype. Transformer activations are transient within a
     stage and belong to the worker, not to a session.
     """
     t = config.transformer
@@ -68,6 +69,7 @@ def block_scratch_bytes(config, model_dtype: torch.dtype, vae_dtype: torch.dtype
     mask = t.mask_channels * latent * torch.empty((), dtype=vae_dtype).element_size()
     pixels = config.height * config.width
     plucker = t.num_frames_per_block * t.camera_channels * pixels * torch.empty((), dtype=model_dtype).element_size()
+    plucker *= 2 if config.sampler.guided_steps else 1
     frames = 3 * config.pixel_frames_per_block * pixels * torch.empty((), dtype=vae_dtype).element_size()
     return latents + extra + mask + plucker + frames
 
