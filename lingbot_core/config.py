@@ -189,7 +189,8 @@ class SamplerConfig:
     # steps the velocity is v_still + action_guidance * (v - v_still), where v_still is the same forward
     # with the camera held still (the Plücker map of a block without keys, which training shows as
     # often as any key). The first step lays out where the picture moves, so guiding it alone
-    # strengthens the keys' motion for one more forward a block. 1.0 (or 0 steps): off.
+    # strengthens the keys' motion for one more forward a block (none in a block without keys, whose
+    # camera is the still one). 1.0 (or 0 steps): off.
     action_guidance: float = 1.0
     action_guidance_steps: int = 0
 

@@ -143,15 +143,18 @@ def step_block(config: ModelConfig, transformer, vae, pool: KVPagePool, pages: P
                                    camera_map, start_frame, cache=block_kv)
             return velocity
 
-        still_velocity = None
-        if config.sampler.guided_steps:  # action guidance: the same block with the camera held still
-            still_velocity = velocity_with(_still_plucker(config, state.camera, intrinsics, device, dtype))
+        sampler, still_velocity = config.sampler, None
+        if sampler.guided_steps:  # action guidance: the same block with the camera held still
+            still = _still_plucker(config, state.camera, intrinsics, device, dtype)
+            if torch.equal(still, plucker):  # no key held: guidance would return v itself, so skip its forward
+                sampler = replace(sampler, action_guidance_steps=0)
+            else:
+                still_velocity = velocity_with(still)
         generator = torch.Generator(device="cpu")
         generator.set_state(state.rng_state)
         latent_shape = (1, config.transformer.out_channels, frames_per_block, config.latent_height,
                         config.latent_width)
-        latents = sample_block(velocity_with(plucker), latent_shape, config.sampler, generator, device,
-                               still_velocity)
+        latents = sample_block(velocity_with(plucker), latent_shape, sampler, generator, device, still_velocity)
 
         # 4. Commit forward at t=0 on the clean latents: the same context; writes this block's K/V into its
         #    reserved pages. The gathered window is the transformer's working memory: it goes before decoding.

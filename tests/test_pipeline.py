@@ -516,7 +516,7 @@ class CameraRecorder(torch.nn.Module):
         return self.inner(hidden_states, timestep, text_kv, plucker, start_frame, cache=cache, attn_mask=attn_mask)
 
 
-def test_a_guided_block_runs_the_still_camera_once_and_changes_nothing_without_keys(tiny_pipeline, window_run):
+def test_a_guided_block_runs_the_still_camera_once_and_skips_it_without_keys(tiny_pipeline, window_run):
     from lingbot_core.model import camera
 
     guided_config = dataclasses.replace(
@@ -539,9 +539,12 @@ def test_a_guided_block_runs_the_still_camera_once_and_changes_nothing_without_k
     assert not torch.equal(keys_map, still_map)
     assert not torch.allclose(output.latents, window_run.outputs[moving].latents)
 
-    # No key: the still camera is the block's own, so v_still + 3 (v - v_still) is v, bit for bit.
+    # No key: the still camera is the block's own, so v_still + 3 (v - v_still) would be v; the step skips
+    # that forward and the block is the unguided one, bit for bit.
+    recorder.read_cameras.clear()
     state, paged = window_run.states[still], window_run.pools[still].copy()
     output, next_state = guided.step(paged.pool, paged.pages, state, CONTROLS[still])
+    assert len(recorder.read_cameras) == len(WINDOW_CONFIG.sampler.timesteps)
     assert torch.equal(output.latents, window_run.outputs[still].latents)
     assert torch.equal(output.frames, window_run.outputs[still].frames)
     assert torch.equal(next_state.rng_state, window_run.states[still + 1].rng_state)
