@@ -26,6 +26,7 @@ def test_shipped_folder_is_small_half_precision_and_loads_through_the_checkpoint
     assert parts.config.trained and parts.config.name == EMBEDDED.name
     assert (parts.config.height, parts.config.width) == (EMBEDDED.height, EMBEDDED.width)
     assert parts.config.camera == EMBEDDED.camera  # the preset's own camera convention, not the real checkpoint's
+    assert parts.config.sampler == EMBEDDED.sampler and parts.config.sampler.guided_steps == 1  # action guidance
     weights = parts.transformer.state_dict()
     for name, tensor in stored.items():
         assert torch.equal(weights[name], tensor.float()), name
