@@ -72,7 +72,8 @@ def run_blocks(pipe, blocks: int, conditions: ConditionCache | None = None) -> l
 
 def print_rows(title: str, rows: list[dict[str, float]], denoise_forwards: int) -> None:
     print(f"\n{title}")
-    print(f"{'block':>5} {'wall ms':>8} {'condition':>9} {f'denoise x{denoise_forwards}':>10} {'commit':>7} {'decode':>7} "
+    denoise = f"denoise x{denoise_forwards}"
+    print(f"{'block':>5} {'wall ms':>8} {'condition':>9} {denoise:>10} {'commit':>7} {'decode':>7} "
           f"{'sys ms':>7} {'faults':>7}")
     for r in rows:
         print(f"{r['block']:5d} {r['wall']:8.0f} {r['condition']:9.0f} {r['denoise']:10.0f} {r['commit']:7.0f} "

@@ -7,8 +7,8 @@ the pool as soon as the block that made them obsolete commits.
 A block's context is gathered once, when its `BlockKV` is made, into a fixed window of
 sink_size + recent_frames frame slots for every layer, with a validity mask over the slots no frame
 fills yet (the first blocks). Every forward of the block (four denoise steps, the still-camera forward of
-a step with action guidance, and the commit) reads that one buffer, and its shape never changes over a rollout, so a compiled forward has two graphs: masked while
-the window fills, unmasked once it is full.
+a step with action guidance, and the commit) reads that one buffer, and its shape never changes over a
+rollout, so a compiled forward has two graphs: masked while the window fills, unmasked once it is full.
 
 The transformer sees a `BlockKV` through `context(layer)` and `context_valid` (the window and its mask)
 and `store(layer, k, v)`, which writes this block's K/V into pages reserved for it. Those pages join the

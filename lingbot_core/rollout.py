@@ -145,11 +145,11 @@ def step_block(config: ModelConfig, transformer, vae, pool: KVPagePool, pages: P
 
         sampler, still_velocity = config.sampler, None
         if sampler.guided_steps:  # action guidance: the same block with the camera held still
-            still = _still_plucker(config, state.camera, intrinsics, device, dtype)
-            if torch.equal(still, plucker):  # no key held: guidance would return v itself, so skip its forward
+            if np.array_equal(poses, np.broadcast_to(state.camera.pose, poses.shape)):
+                # No key held: the block's own map is the still one, so guidance would return v itself.
                 sampler = replace(sampler, action_guidance_steps=0)
             else:
-                still_velocity = velocity_with(still)
+                still_velocity = velocity_with(_still_plucker(config, state.camera, intrinsics, device, dtype))
         generator = torch.Generator(device="cpu")
         generator.set_state(state.rng_state)
         latent_shape = (1, config.transformer.out_channels, frames_per_block, config.latent_height,
