@@ -46,3 +46,24 @@ def test_channel_rms_norm_equals_wan_rms_norm_in_fp32_and_bf16():
         assert use_fast_cpu_kernels(fast) == 1
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(fast(x), expected, rtol=tol, atol=tol)
+
+
+def test_causal_conv_pads_inside_onednn_and_equals_diffusers_forward():
+    """The routed causal convolution equals diffusers' forward for every way the streaming VAE calls it
+    (no history: the past frames are zeros; one cached frame; two), copies no padded input when the
+    cache supplies the past, and leaves a channels-last result for the next layer."""
+    torch.manual_seed(0)
+    conv = WanCausalConv3d(8, 12, 3, padding=1)
+    reference = WanCausalConv3d(8, 12, 3, padding=1)
+    reference.load_state_dict(conv.state_dict())
+    assert route_conv3d_to_onednn(conv) == 1
+    x = torch.randn(1, 8, 4, 10, 14)
+    for cache in (None, torch.randn(1, 8, 1, 10, 14), torch.randn(1, 8, 2, 10, 14)):
+        expected = reference(x, cache)
+        with torch.profiler.profile() as prof:
+            got = conv(x, cache)
+        names = {e.key for e in prof.key_averages()}
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert got.is_contiguous(memory_format=torch.channels_last_3d)
+        if cache is not None and cache.shape[2] == 2:
+            assert "aten::constant_pad_nd" not in names  # the spatial padding happens inside the kernel
