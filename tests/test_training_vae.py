@@ -5,6 +5,7 @@ Tiny sizes (32x32 frames, base width 4, one block of 9 frames) on one thread, so
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -218,3 +219,32 @@ def test_a_decoder_only_run_decodes_the_world_models_own_latents_of_a_share_of_i
         next(stored_batches(VaeTrainConfig(**{**tc.__dict__, "init_from": str(tmp_path / "clips")}), 0, 1))
     with pytest.raises(ValueError, match="other latent statistics"):
         next(stored_batches(VaeTrainConfig(**{**tc.__dict__, "rollouts": str(tmp_path / "other.pt")}), 0, 1))
+
+
+def test_a_patched_vae_learns_exports_and_streams_through_the_real_loader(tmp_path):
+    """`--patch-size 2` (diffusers' patch_size, one halving fewer): the same latent grid, trained, exported,
+    loaded by the loader and streamed by the session's encoder and decoder as the trained module does."""
+    tc = dataclasses.replace(TINY, patch_size=2)
+    config = tc.model_config()
+    assert (config.vae["patch_size"], config.vae["dim_mult"], config.vae["in_channels"]) == (2, [1, 2, 4], 12)
+    vae, video = new_vae(tc), make_clip(0, 0, config, 1, 1).video.unsqueeze(0)
+    optimizer, generator = new_optimizer(vae, tc), torch.Generator().manual_seed(0)
+    first = train_step(vae, optimizer, video, tc, generator)["rec"]
+    for _ in range(5):
+        last = train_step(vae, optimizer, video, tc, generator)["rec"]
+    assert last < 0.9 * first, (first, last)
+
+    mean, std = measured_latent_stats(vae, tc, clips=1)
+    folder = tmp_path / "checkpoint"
+    write_tiny_checkpoint(folder, tc.model_config(base=tiny_config()), shards=1)
+    shutil.rmtree(folder / "vae")
+    shutil.copytree(export_vae(vae, tmp_path / "export", mean, std), folder / "vae")
+    loaded = load_folder(folder, dtype=torch.float32).vae
+    assert loaded.config.patch_size == 2
+    held_out = make_clip(0, 0, config, 2, 1, world_seeds=range(1_000_000, 1_000_001)).video
+    want_clip, want_image = stream_reconstruct(vae, config, held_out)
+    got_clip, got_image = stream_reconstruct(loaded, config, held_out)
+    assert got_clip.shape == (3, config.pixel_frames_for_blocks(2), 32, 32)
+    assert (got_clip - want_clip).abs().max() < 2e-2 and (got_image - want_image).abs().max() < 2e-2
+    with pytest.raises(ValueError, match="patch_size must be 1 or 2"):
+        dataclasses.replace(TINY, patch_size=4)

@@ -25,6 +25,11 @@ from lingbot_core.model.vae_stream import (
 )
 
 CFG = tiny_config()
+# The same spatial factor as a patched VAE (diffusers' patch_size, as the Wan 2.2 VAE folds pixels into
+# channels): 2x2 patches, then two halvings instead of three.
+PATCHED_VAE = dict(CFG.vae, dim_mult=[1, 2, 4], temperal_downsample=[True, True], patch_size=2, in_channels=12,
+                   out_channels=12)
+LAYOUTS = {"plain": CFG, "patched": dataclasses.replace(CFG, vae=PATCHED_VAE)}
 LATENT_FRAMES = CFG.transformer.num_frames_per_block
 CONDITION_BLOCKS = 14  # the tiny VAE reaches its fixed point at block 10; check blocks past it
 
@@ -50,14 +55,16 @@ def _latents(num_frames, dtype, seed=2):
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread for tiny tensors
 
 
-@pytest.fixture(scope="module", params=[torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.fixture(scope="module", params=[(torch.float64, "plain"), (torch.float32, "plain"), (torch.float64, "patched")],
+                ids=["fp64", "fp32", "fp64-patched"])
 def vae(request):
-    return build_vae(CFG, request.param, "cpu", seed=0)
+    dtype, layout = request.param
+    return build_vae(LAYOUTS[layout], dtype, "cpu", seed=0)
 
 
-@pytest.fixture(scope="module")
-def vae64():
-    return build_vae(CFG, torch.float64, "cpu", seed=0)
+@pytest.fixture(scope="module", params=["plain", "patched"])
+def vae64(request):
+    return build_vae(LAYOUTS[request.param], torch.float64, "cpu", seed=0)
 
 
 def _one_shot_condition(vae, image, num_blocks):
@@ -283,9 +290,14 @@ def test_refuses_tiled_vae(vae64):
         encode_condition_block(vae, ConditionStream.start(_image(torch.float32)), 0, CFG)
 
 
-def test_refuses_patched_vae():
-    with pytest.raises(VaeNotStreamableError, match="patch_size=2"):
-        check_streamable(_tiny_vae(patch_size=2, in_channels=12, out_channels=12))
+def test_patched_vae_streams_and_refuses_a_patch_that_is_not_rgb():
+    vae = _tiny_vae(**{k: PATCHED_VAE[k] for k in ("dim_mult", "temperal_downsample", "patch_size", "in_channels",
+                                                   "out_channels")})
+    check_streamable(vae, CFG)  # 2x2 patches x 4 = the model's spatial factor 8
+    with pytest.raises(VaeNotStreamableError, match="patch_size=2 with in_channels=3"):
+        check_streamable(_tiny_vae(patch_size=2, dim_mult=[1, 2, 4], temperal_downsample=[True, True]))
+    with pytest.raises(VaeNotStreamableError, match="vae_spatial_factor=8 but the VAE's is 16"):
+        check_streamable(_tiny_vae(patch_size=2, in_channels=12, out_channels=12), CFG)  # three halvings too
 
 
 def test_refuses_residual_vae():

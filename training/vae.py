@@ -53,7 +53,7 @@ from typing import Iterator, NamedTuple
 import numpy as np
 import torch
 from diffusers import AutoencoderKLWan
-from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
 from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
 from safetensors.torch import load_file
 from tqdm import tqdm
@@ -82,6 +82,11 @@ class VaeTrainConfig:
     base_dim: int = 16
     decoder_base_dim: int | None = 8
     z_dim: int = 16
+    # 2: fold 2x2 pixel patches into channels before the encoder and unfold after the decoder (diffusers'
+    # patch_size, as in the Wan 2.2 VAE), with one halving fewer, so the latent grid is the same. The
+    # full-resolution layers then run at half the frame size: a patched decoder of 3x the parameters
+    # decodes a block in less time than the unpatched one (see the model card).
+    patch_size: int = 1
     # Window length in blocks: 12 * blocks - 3 pixel frames. The causal encoder and decoder learn only the
     # frame positions a window holds, while a session streams far past them: the shipped encoder, trained
     # on 1-block windows, gives drifting latents after its 9 frames (so do the world model's targets, which
@@ -133,6 +138,8 @@ class VaeTrainConfig:
         for name in ("base_dim", "z_dim", "blocks", "batch", "supersample"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
+        if self.patch_size not in (1, 2):
+            raise ValueError(f"patch_size must be 1 or 2 (the temporal factor needs two halvings); got {self.patch_size}")
         if self.decoder_base_dim is not None and self.decoder_base_dim < 1:
             raise ValueError(f"decoder_base_dim must be at least 1; got {self.decoder_base_dim}")
         if not 0.0 < self.lr_final <= 1.0:
@@ -157,6 +164,9 @@ class VaeTrainConfig:
         """`base` at this size with this VAE; latents stats start as identity (set on export)."""
         vae = dict(base.vae, base_dim=self.base_dim, decoder_base_dim=self.decoder_base_dim, z_dim=self.z_dim,
                    latents_mean=[0.0] * self.z_dim, latents_std=[1.0] * self.z_dim)
+        if self.patch_size == 2:  # one spatial halving fewer; both that remain halve time as well
+            vae.update(dim_mult=vae["dim_mult"][:-1], temperal_downsample=[True, True], patch_size=2,
+                       in_channels=12, out_channels=12)
         # The transformer's latent channels follow z_dim (noisy latent + mask + condition latent).
         transformer = dataclasses.replace(base.transformer, out_channels=self.z_dim,
                                           in_channels=2 * self.z_dim + base.transformer.mask_channels)
@@ -166,7 +176,8 @@ class VaeTrainConfig:
         return decayed_rate(self.lr, step, steps, self.lr_decay_from, self.lr_final)
 
     def default_run_dir(self) -> Path:
-        name = f"{self.height}x{self.width}-b{self.base_dim}-d{self.decoder_base_dim}-z{self.z_dim}-s{self.seed}"
+        patch = f"-p{self.patch_size}" if self.patch_size > 1 else ""
+        name = f"{self.height}x{self.width}-b{self.base_dim}-d{self.decoder_base_dim}-z{self.z_dim}{patch}-s{self.seed}"
         return Path.home() / ".cache" / "lingbot" / "train" / "vae" / name
 
 
@@ -190,7 +201,7 @@ def decode_unclamped(vae: AutoencoderKLWan, z: torch.Tensor) -> torch.Tensor:
     x = vae.post_quant_conv(z)
     cache = [None] * sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
     frames = [decode_latent_frame(vae, x[:, :, i : i + 1], cache, i == 0) for i in range(x.shape[2])]
-    return torch.cat(frames, dim=2)
+    return unpatchify(torch.cat(frames, dim=2), vae.config.patch_size or 1)
 
 
 def losses(vae: AutoencoderKLWan, video: torch.Tensor, tc: VaeTrainConfig, generator: torch.Generator,
@@ -540,7 +551,8 @@ def _config_from_args(args: argparse.Namespace) -> VaeTrainConfig:
         raise ValueError(f"--size must be HEIGHTxWIDTH, for example 96x160; got {args.size!r}") from None
     crop = tuple(int(v) for v in args.crop.lower().split("x")) if args.crop else (0, 0)
     return VaeTrainConfig(height=height, width=width, base_dim=args.base_dim,
-                          decoder_base_dim=args.decoder_base_dim or None, z_dim=args.z_dim, blocks=args.blocks,
+                          decoder_base_dim=args.decoder_base_dim or None, z_dim=args.z_dim,
+                          patch_size=args.patch_size, blocks=args.blocks,
                           batch=args.batch, lr=args.lr, lr_decay_from=args.lr_decay_from, lr_final=args.lr_final,
                           weight_decay=args.weight_decay, kl_weight=args.kl_weight,
                           loss=args.loss, seed=args.seed, data_seed=args.data_seed, supersample=args.supersample,
@@ -558,6 +570,8 @@ def main() -> None:
     parser.add_argument("--base-dim", type=int, default=d.base_dim)
     parser.add_argument("--decoder-base-dim", type=int, default=d.decoder_base_dim, help="0: same as --base-dim")
     parser.add_argument("--z-dim", type=int, default=d.z_dim)
+    parser.add_argument("--patch-size", type=int, default=d.patch_size,
+                        help="2: a patched VAE (2x2 pixels folded into channels, one halving fewer)")
     parser.add_argument("--blocks", type=int, default=d.blocks)
     parser.add_argument("--batch", type=int, default=d.batch)
     parser.add_argument("--lr", type=float, default=d.lr)

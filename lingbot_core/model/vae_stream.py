@@ -1,5 +1,9 @@
 """Streaming condition encoder and decoder over diffusers' `AutoencoderKLWan` (Wan 2.1 VAE).
 
+A patched VAE (`patch_size`, pixels folded into channels before the encoder and unfolded after the
+decoder, as diffusers' `_encode` / `_decode` do) streams the same way: patching is per frame, so each
+chunk is patched on its own.
+
 The VAE is causal in time: every causal conv keeps the last frames it saw (its "feature cache").
 diffusers keeps that cache on the module (`_enc_feat_map`, `_feat_map`) and clears it around each
 call. Here the cache belongs to the caller (a session), so one VAE serves many sessions and a block
@@ -49,7 +53,7 @@ from typing import Any
 
 import torch
 from diffusers import AutoencoderKLWan
-from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, patchify, unpatchify
 
 from lingbot_core.config import ModelConfig
 from lingbot_core.model.cpu_kernels import use_fast_cpu_kernels
@@ -94,16 +98,17 @@ def build_vae(model_config: ModelConfig, dtype: torch.dtype, device: torch.devic
 
 
 def check_streamable(vae: AutoencoderKLWan, model_config: ModelConfig | None = None) -> None:
-    """Refuse VAEs whose caching differs from the plain Wan 2.1 path this module replays."""
+    """Refuse VAEs whose caching differs from the Wan 2.1 path (plain or patched) this module replays."""
     cfg = vae.config
     if vae.use_tiling:
         raise VaeNotStreamableError(
             "VAE tiling is enabled (vae.use_tiling); tiled encode/decode keeps one cache per tile and "
             "cannot be streamed: call vae.disable_tiling()")
-    if cfg.patch_size is not None:
+    patch = _patch_size(vae)
+    if patch < 1 or cfg.in_channels != 3 * patch * patch or cfg.out_channels != 3 * patch * patch:
         raise VaeNotStreamableError(
-            f"patched VAE (config.patch_size={cfg.patch_size}, the Wan 2.2 VAE) is not supported; "
-            "use the Wan 2.1 VAE")
+            f"VAE patch_size={cfg.patch_size} with in_channels={cfg.in_channels}, out_channels={cfg.out_channels}: "
+            f"RGB frames need {3 * max(patch, 1) ** 2} of each")
     if cfg.is_residual:
         raise VaeNotStreamableError("residual VAE (config.is_residual=True, the Wan 2.2 VAE) is not supported")
     temporal_factor = 2 ** sum(bool(d) for d in cfg.temperal_downsample)
@@ -114,7 +119,7 @@ def check_streamable(vae: AutoencoderKLWan, model_config: ModelConfig | None = N
             "downsample in time")
     if model_config is None:
         return
-    spatial_factor = 2 ** (len(cfg.dim_mult) - 1)
+    spatial_factor = 2 ** (len(cfg.dim_mult) - 1) * patch
     if model_config.vae_temporal_factor != temporal_factor:
         raise VaeNotStreamableError(
             f"model config vae_temporal_factor={model_config.vae_temporal_factor} but the VAE's is {temporal_factor}")
@@ -158,6 +163,12 @@ def _caches_equal(a: FeatureCache, b: FeatureCache) -> bool:
 
 def _vae_param(vae: AutoencoderKLWan) -> torch.Tensor:
     return next(vae.parameters())
+
+
+def _patch_size(vae: AutoencoderKLWan) -> int:
+    """Pixels per side of a patch folded into channels before the encoder (diffusers' `patchify`), 1 for
+    the Wan 2.1 VAE. A patched VAE's full-resolution work happens at 1/patch of the frame size."""
+    return vae.config.patch_size or 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,13 +271,17 @@ def _condition_pixel_chunks(vae: AutoencoderKLWan, state: ConditionStream, block
     group = model_config.vae_temporal_factor
     latent_frames = model_config.transformer.num_frames_per_block
     size = (model_config.height, model_config.width)
-    zeros = torch.zeros(1, vae.config.in_channels, group, *size, dtype=like.dtype, device=like.device)
+    patch = _patch_size(vae)
+    # Zero frames, already in the encoder's (patched) layout: a patched zero frame is zeros.
+    zeros = torch.zeros(1, vae.config.in_channels, group, size[0] // patch, size[1] // patch, dtype=like.dtype,
+                        device=like.device)
     if block_index > 0:
         return [zeros] * latent_frames  # the encoder never writes into its input
     if tuple(state.image.shape[-2:]) != size:
         raise ValueError(f"condition image is {tuple(state.image.shape[-2:])} (HxW) but the model runs at {size}")
     # The causal VAE maps pixel frame 0 alone to latent frame 0.
-    return [state.image.to(dtype=like.dtype, device=like.device)] + [zeros] * (latent_frames - 1)
+    image = patchify(state.image.to(dtype=like.dtype, device=like.device), patch)
+    return [image] + [zeros] * (latent_frames - 1)
 
 
 @torch.no_grad()
@@ -400,7 +415,8 @@ def decode_block(vae: AutoencoderKLWan, state: DecoderStream, latents: torch.Ten
         # handles the first frame through its "Rep" cache slots.
         first_chunk = not state.started and i == 0
         frames.append(decode_frame(vae, x[:, :, i : i + 1], cache, first_chunk))
-    out = torch.cat(frames, dim=2).clamp(-1.0, 1.0)  # [1, 3, T, H, W]
+    # [1, 3, T, H, W]; a patched VAE's decoder returns [1, 3 * patch^2, T, H / patch, W / patch]
+    out = unpatchify(torch.cat(frames, dim=2), _patch_size(vae)).clamp(-1.0, 1.0)
     pending = DecoderStream(cache=cache, latent_frames_decoded=state.latent_frames_decoded + x.shape[2])
     return out, pending
 
