@@ -5,7 +5,9 @@
 
 A variant is HEIGHTxWIDTH (multiples of 32):BASE_DIM:DECODER_BASE_DIM:Z_DIM of diffusers'
 AutoencoderKLWan (the rest as the Wan 2.1 VAE), with seeded random weights (speed does not depend on
-the weights). Per variant and thread count it streams block 0 through lingbot_core/model/vae_stream.py
+the weights); a fifth field `p2` makes it patched as `python -m training.vae --patch-size 2` builds it
+(2x2 pixels folded into channels, one halving fewer, the same latent grid), for example
+96x160:24:24:16:p2. Per variant and thread count it streams block 0 through lingbot_core/model/vae_stream.py
 (fills the causal caches), then times, from those same states, the condition encode of block 1 (three
 chunks of four frames) and the decode of one block's three latent frames into 12 pixel frames. Prints
 the median of --reps in ms, the encoder and decoder parameters, the CPU kind and the load average (the
@@ -36,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lingbot_core.config import PRESETS  # noqa: E402
+from lingbot_core.config import PRESETS, patched_vae  # noqa: E402
 from lingbot_core.model.vae_stream import (ConditionStream, DecoderStream, build_vae, decode_block,  # noqa: E402
                                            encode_condition_block)
 
@@ -47,12 +49,16 @@ DEFAULT_VARIANTS = ["128x224:16:8:16", "96x160:16:8:16", "96x160:12:8:16", "96x1
 
 
 def variant_config(spec: str):
-    size, base, decoder, z = spec.split(":")
+    size, base, decoder, z, *patch = spec.split(":")
+    if patch not in ([], ["p2"]):
+        raise ValueError(f"variant {spec!r}: the fifth field, if any, is p2")
     height, width = (int(v) for v in size.lower().split("x"))
     z_dim = int(z)
     base_config = PRESETS["embedded"]
     vae = dict(base_config.vae, base_dim=int(base), decoder_base_dim=int(decoder), z_dim=z_dim,
                latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim)
+    if patch:
+        vae = patched_vae(vae)
     transformer = dataclasses.replace(base_config.transformer, out_channels=z_dim,
                                       in_channels=2 * z_dim + base_config.transformer.mask_channels)
     return dataclasses.replace(base_config, name=f"vae-{spec}", height=height, width=width, vae=vae,
@@ -111,11 +117,11 @@ def main() -> None:
     parser.add_argument("--conv-size", default="64x128")
     args = parser.parse_args()
     columns = "".join(f" {'enc ' + str(n) + 't':>8} {'dec ' + str(n) + 't':>8}" for n in args.threads)
-    print(f"{'variant HxW:base:dec:z':>24} {'enc par':>8} {'dec par':>8}{columns}   (ms, median of {args.reps})")
+    print(f"{'variant HxW:base:dec:z[:p2]':>27} {'enc par':>8} {'dec par':>8}{columns}   (ms, median of {args.reps})")
     for spec in args.variants:
         r = measure(spec, args.threads, args.reps)
         cells = "".join(f" {r[f'encode_{n}']:>8.0f} {r[f'decode_{n}']:>8.0f}" for n in args.threads)
-        print(f"{r['spec']:>24} {r['enc_params'] / 1e3:>7.0f}k {r['dec_params'] / 1e3:>7.0f}k{cells}", flush=True)
+        print(f"{r['spec']:>27} {r['enc_params'] / 1e3:>7.0f}k {r['dec_params'] / 1e3:>7.0f}k{cells}", flush=True)
     height, width = (int(v) for v in args.conv_size.lower().split("x"))
     slow, onednn = conv_paths(height, width, max(args.reps, 5))
     print(f"one causal conv 16->16 ch, 3 frames, {height}x{width}, 1 thread: batch 1 (slow_conv3d) {slow:.1f} ms; "

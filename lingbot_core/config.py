@@ -291,6 +291,15 @@ class ModelConfig:
 WAN21_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                  temperal_downsample=[False, True, True], dropout=0.0)
 
+
+def patched_vae(vae: dict[str, Any]) -> dict[str, Any]:
+    """`vae` (AutoencoderKLWan kwargs) patched as the Wan 2.2 VAE is: 2x2 pixels folded into channels
+    before the encoder (diffusers' `patch_size`) and one spatial halving fewer, so the spatial factor and
+    the latent grid stay the same; both remaining halvings halve time too. Its full-resolution layers
+    run at half the frame size."""
+    return dict(vae, dim_mult=list(vae["dim_mult"][:-1]), temperal_downsample=[True, True], patch_size=2,
+                in_channels=12, out_channels=12)
+
 LINGBOT_WORLD_V2_14B = ModelConfig(
     name="lingbot-world-v2-14b",
     transformer=TransformerConfig(),

@@ -9,7 +9,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKLWan
 
-from lingbot_core.config import tiny_config
+from lingbot_core.config import patched_vae, tiny_config
 from lingbot_core.model.vae_stream import (
     ConditionStream,
     DecoderStream,
@@ -27,8 +27,7 @@ from lingbot_core.model.vae_stream import (
 CFG = tiny_config()
 # The same spatial factor as a patched VAE (diffusers' patch_size, as the Wan 2.2 VAE folds pixels into
 # channels): 2x2 patches, then two halvings instead of three.
-PATCHED_VAE = dict(CFG.vae, dim_mult=[1, 2, 4], temperal_downsample=[True, True], patch_size=2, in_channels=12,
-                   out_channels=12)
+PATCHED_VAE = patched_vae(CFG.vae)
 LAYOUTS = {"plain": CFG, "patched": dataclasses.replace(CFG, vae=PATCHED_VAE)}
 LATENT_FRAMES = CFG.transformer.num_frames_per_block
 CONDITION_BLOCKS = 14  # the tiny VAE reaches its fixed point at block 10; check blocks past it

@@ -58,7 +58,7 @@ from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from lingbot_core.config import PRESETS, ModelConfig
+from lingbot_core.config import PRESETS, ModelConfig, patched_vae
 from lingbot_core.model.vae_stream import (ConditionStream, DecoderStream, build_vae, check_streamable,
                                            decode_block, decode_latent_frame, encode_condition_block)
 from lingbot_core.world import HELD_OUT_SEEDS
@@ -164,9 +164,8 @@ class VaeTrainConfig:
         """`base` at this size with this VAE; latents stats start as identity (set on export)."""
         vae = dict(base.vae, base_dim=self.base_dim, decoder_base_dim=self.decoder_base_dim, z_dim=self.z_dim,
                    latents_mean=[0.0] * self.z_dim, latents_std=[1.0] * self.z_dim)
-        if self.patch_size == 2:  # one spatial halving fewer; both that remain halve time as well
-            vae.update(dim_mult=vae["dim_mult"][:-1], temperal_downsample=[True, True], patch_size=2,
-                       in_channels=12, out_channels=12)
+        if self.patch_size == 2:
+            vae = patched_vae(vae)
         # The transformer's latent channels follow z_dim (noisy latent + mask + condition latent).
         transformer = dataclasses.replace(base.transformer, out_channels=self.z_dim,
                                           in_channels=2 * self.z_dim + base.transformer.mask_channels)
