@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -248,3 +249,24 @@ def test_a_patched_vae_learns_exports_and_streams_through_the_real_loader(tmp_pa
     assert (got_clip - want_clip).abs().max() < 2e-2 and (got_image - want_image).abs().max() < 2e-2
     with pytest.raises(ValueError, match="patch_size must be 1 or 2"):
         dataclasses.replace(TINY, patch_size=4)
+
+    # training.world reads the model's config off the exported VAE; the VAE that config builds (the
+    # seeded parts behind its text states) must be the patched one, or the spatial factors disagree.
+    from lingbot_core.model.vae_stream import build_vae, check_streamable
+    from training.world import model_config as world_model_config
+
+    world = world_model_config(loaded)
+    rebuilt = build_vae(world, torch.float32, "cpu", seed=0)
+    for key in ("patch_size", "in_channels", "out_channels", "dim_mult", "temperal_downsample", "z_dim"):
+        assert rebuilt.config[key] == loaded.config[key], key
+    check_streamable(rebuilt)
+
+
+def test_the_world_trainer_reads_an_unpatched_vae_config_as_before():
+    """The shipped (unpatched) VAE gives the embedded preset's VAE config with its own statistics."""
+    from lingbot_core.config import EMBEDDED
+    from training.world import load_vae, model_config as world_model_config
+
+    shipped = load_vae(Path(__file__).resolve().parents[1] / "lingbot_core" / "embedded_model" / "vae")
+    assert world_model_config(shipped).vae == dict(EMBEDDED.vae, latents_mean=list(shipped.config.latents_mean),
+                                                  latents_std=list(shipped.config.latents_std))

@@ -162,6 +162,8 @@ def model_config(vae: AutoencoderKLWan) -> ModelConfig:
     """The embedded preset with this VAE's config (its latents statistics included)."""
     keys = ("base_dim", "decoder_base_dim", "z_dim", "dim_mult", "num_res_blocks", "attn_scales",
             "temperal_downsample", "dropout", "latents_mean", "latents_std")
+    if vae.config.get("patch_size"):  # a patched VAE (config.patched_vae) folds pixels into 12 channels
+        keys += ("patch_size", "in_channels", "out_channels")
     vae_kwargs = {k: (list(vae.config[k]) if isinstance(vae.config[k], (list, tuple)) else vae.config[k])
                   for k in keys}
     return dataclasses.replace(EMBEDDED, vae=dict(EMBEDDED.vae, **vae_kwargs), trained=True)
