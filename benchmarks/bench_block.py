@@ -2,6 +2,7 @@
 
     python benchmarks/bench_block.py [--blocks 13] [--compare-blocks 3] [--precisions auto,fp32,bf16]
                                      [--app] [--compile] [--compile-background] [--threads N] [--model embedded]
+                                     [--preset embedded]
 
 Prints, in one run:
 1. the CPU (PyTorch's capability and its native-bf16 flags), the allocator setting and the precision that
@@ -41,6 +42,7 @@ import torch  # noqa: E402
 
 from lingbot_core.allocator import keep_freed_memory  # noqa: E402
 from lingbot_core.condition_cache import ConditionCache  # noqa: E402
+from lingbot_core.config import PRESETS  # noqa: E402
 from lingbot_core.pipeline import load_pipeline  # noqa: E402
 from lingbot_core.precision import AUTO, detect_cpu  # noqa: E402
 from lingbot_core.rollout import BlockControl  # noqa: E402
@@ -48,6 +50,12 @@ from lingbot_core.rollout import BlockControl  # noqa: E402
 IMAGE = ROOT / "examples" / "forest.png"
 PROMPT = "a forest path in spring"
 STAGES = ("condition", "denoise", "commit", "decode")
+
+
+def _preset_hint(args) -> dict:
+    """--preset NAME: a folder (a training export, say) plays at that preset's size, camera and sampler, as
+    eval_world.py loads folders; without it a folder gets the loader's default size (480x832)."""
+    return {"preset_hint": PRESETS[args.preset]} if args.preset else {}
 
 
 def _usage() -> tuple[float, int]:
@@ -88,7 +96,8 @@ def compare_precisions(args) -> None:
     blocks = max(2, args.compare_blocks)
     print(f"\n2. default against each precision, blocks taken in turn: median of blocks 1-{blocks - 1} "
           "(block 0 warms up; the condition warm-up runs in all of them)")
-    pipes = {name: load_pipeline(args.model, dtype=name, compile=False) for name in args.precisions}
+    pipes = {name: load_pipeline(args.model, **_preset_hint(args), dtype=name, compile=False)
+             for name in args.precisions}
     frames_per_block = next(iter(pipes.values())).config.transformer.num_frames_per_block
     controls = [BlockControl(actions=(frozenset("w"),) * frames_per_block)] * blocks
     rollouts = {name: iter(pipe.rollout(IMAGE, PROMPT, 0, controls)) for name, pipe in pipes.items()}
@@ -190,7 +199,7 @@ def compare_compile(args) -> None:
     medians = {}
     for compile in (False, True):
         started = time.perf_counter()
-        pipe = load_pipeline(args.model, dtype=AUTO, compile=compile)
+        pipe = load_pipeline(args.model, **_preset_hint(args), dtype=AUTO, compile=compile)
         loaded = time.perf_counter() - started
         built = _graphs()
         rows = run_blocks(pipe, args.warmup + args.compile_blocks)
@@ -209,7 +218,7 @@ def default_background(args) -> None:
     """The default (compile=None) on this process: with a cold cache the first blocks run eager while the
     graphs build on a second thread; one line a block says which path ran it."""
     started = time.perf_counter()
-    pipe = load_pipeline(args.model, dtype=AUTO)
+    pipe = load_pipeline(args.model, **_preset_hint(args), dtype=AUTO)
     print(f"\n6. the default: {pipe.compile_mode} (load {time.perf_counter() - started:.1f} s)")
     switch = pipe.compile_switch
     frames_per_block = pipe.config.transformer.num_frames_per_block
@@ -227,6 +236,9 @@ def default_background(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="embedded")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="with a folder --model: play it at this preset's size, camera and sampler "
+                             "(--preset embedded times a retrained embedded model at 96x160)")
     parser.add_argument("--blocks", type=int, default=13, help="blocks of the default shown one by one")
     parser.add_argument("--compare-blocks", type=int, default=3, help="blocks per precision (the first warms up)")
     parser.add_argument("--precisions", default="auto,fp32,bf16",
@@ -248,7 +260,7 @@ def main() -> None:
     print(f"1. torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability {cpu.capability}, "
           f"native bf16 flags: {', '.join(cpu.bf16_flags) or 'none'}; {keep_freed_memory()}")
     started = time.perf_counter()
-    pipe = load_pipeline(args.model, dtype=AUTO, compile=False)
+    pipe = load_pipeline(args.model, **_preset_hint(args), dtype=AUTO, compile=False)
     print(f"   {args.model}: --dtype auto chose {pipe.precision.describe()} (load {time.perf_counter() - started:.1f} s)")
 
     if args.precisions:
