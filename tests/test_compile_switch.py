@@ -267,17 +267,16 @@ def test_the_onednn_convolution_traces_with_the_layout_it_runs_with(layout):
     from lingbot_core.model.cpu_kernels import _onednn_conv, _onednn_eager
 
     x, w, b = torch.randn(1, 8, 3, 6, 10).contiguous(memory_format=layout), torch.randn(4, 8, 3, 3, 3), torch.randn(4)
-    real = _onednn_conv(x, w, b, [0, 1, 1], [1, 1, 1], [1, 1, 1], 1)
+    conv = ([0, 1, 1], [1, 1, 1], [1, 1, 1], 1)  # padding, stride, dilation, groups
+    real = _onednn_conv(x, w, b, *conv)
     # Bit for bit what eager runs, whatever the input's layout: both hand oneDNN channels-last operands.
-    assert torch.equal(real, _onednn_eager(x, w, b, [0, 1, 1], [1, 1, 1], [1, 1, 1], 1))
-    assert torch.equal(real, _onednn_conv(x.contiguous(memory_format=torch.channels_last_3d), w, b,
-                                          [0, 1, 1], [1, 1, 1], [1, 1, 1], 1))
+    assert torch.equal(real, _onednn_eager(x, w, b, *conv))
+    assert torch.equal(real, _onednn_conv(x.contiguous(memory_format=torch.channels_last_3d), w, b, *conv))
     # Against other kernels only within rounding: on an AVX2-only CPU oneDNN's plain-layout kernel sums
-    # in another order than its channels-last one (they differ by about 6e-6 here; on AVX-512 they agree).
-    torch.testing.assert_close(real, torch.mkldnn_convolution(x.contiguous(), w, b, [0, 1, 1], [1, 1, 1], [1, 1, 1], 1))
+    # in another order than its channels-last one (they differ by about 6e-6 there; on AVX-512 they agree).
+    torch.testing.assert_close(real, torch.mkldnn_convolution(x.contiguous(), w, b, *conv))
     torch.testing.assert_close(real, torch.nn.functional.conv3d(x, w, b, padding=(0, 1, 1)))
     with FakeTensorMode() as mode:
-        fake = _onednn_conv(mode.from_tensor(x), mode.from_tensor(w), mode.from_tensor(b),
-                            [0, 1, 1], [1, 1, 1], [1, 1, 1], 1)
+        fake = _onednn_conv(mode.from_tensor(x), mode.from_tensor(w), mode.from_tensor(b), *conv)
     assert fake.shape == real.shape and fake.stride() == real.stride()
-    torch.library.opcheck(_onednn_conv, (x, w, b, [0, 1, 1], [1, 1, 1], [1, 1, 1], 1))
+    torch.library.opcheck(_onednn_conv, (x, w, b, *conv))
