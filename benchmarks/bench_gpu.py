@@ -110,8 +110,7 @@ def build_pipeline(size: str, device: str, dtype: torch.dtype, compiled: bool):
     umt5.tie_weights()
     init_umt5_weights(umt5, generator)
     umt5.eval().requires_grad_(False)
-    text = TextEncoder(tokenizer=build_embedded_tokenizer(), model=umt5, max_length=config.text.max_length,
-                       max_prompt_chars=config.text.max_prompt_chars)
+    text = TextEncoder(tokenizer=build_embedded_tokenizer(), model=umt5, max_length=config.text.max_length)
     vae = build_vae(config, dtype, device, seed=0)  # 127M parameters: its own init on the host is seconds
     parts = LoadedParts(config, transformer, vae, text)
     decode = decode_latent_frame

@@ -170,7 +170,9 @@ class TextConfig:
     """Text path: UMT5 from a checkpoint, or the embedded encoder built from a seed."""
 
     max_length: int = 512  # tokens after pad + truncate
-    max_prompt_chars: int = 2000  # longer prompts are refused rather than silently truncated
+    # A bound on a prompt's raw characters, against abuse (a longer one is refused before any work). Below it
+    # the model reads the first max_length tokens of the cleaned text, as upstream truncates.
+    max_prompt_chars: int = 16384
     # Embedded encoder only (a small UMT5 with random weights and a locally built byte vocabulary).
     embedded_d_model: int = 64
     embedded_num_layers: int = 2

@@ -3,21 +3,24 @@
 Two forms, each with a strictly increasing integer `event_id`:
 - a script event  {"event_id": 3, "frames": [["w"], ["w", "j"], []]}: key sets for one block's latent frames;
 - a key-state event {"event_id": 4, "keys": ["w"]}: the keys now held (they act until released).
-Either may carry "prompt": a new text from the next block on.
+Either may carry "prompt": a new text from the next block on. A prompt is cleaned here, at the parse
+(model/text.clean_prompt), and nowhere after: a typed event's prompt is the cleaned text.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from .model.camera import VALID_KEYS
-from .model.text import PromptError, normalize_prompt
+from .config import TextConfig
+from .model.text import PromptError, clean_prompt
 from .user_text import check_text, quote
 
 MAX_EVENT_LINE_BYTES = 64 * 1024
 MAX_EVENTS_PER_CALL = 64
+MAX_PROMPT_CHARS = TextConfig.max_prompt_chars  # every model's bound unless its config says otherwise
 
 
 class EventError(ValueError):
@@ -41,6 +44,21 @@ class KeyStateEvent:
 Event = ScriptEvent | KeyStateEvent
 
 
+def block_keys(held: frozenset[str], snapshots: list[frozenset[str]],
+               frames_per_block: int) -> tuple[tuple[frozenset[str], ...], frozenset[str]]:
+    """One block's key sets from the held keys and the key states posted since the last block, as upstream
+    reduces them (vLLM-Omni's LingBotCameraControlReducer, whose clients the real checkpoint was trained
+    with): the block holds the last state; if the last non-empty state differs from it (a key pressed and
+    released between two blocks, or a switch), the first frame takes that state instead, one frame's pulse.
+    So only one pulse survives a block: W held with a tap of D gives (W, W, W), a tap of A then of D gives
+    (D, -, -). Returns the frames and the keys held after the block."""
+    final = snapshots[-1] if snapshots else held
+    pulse = next((keys for keys in reversed(snapshots) if keys), None)
+    if pulse is not None and pulse != final:
+        return (pulse,) + (final,) * (frames_per_block - 1), final
+    return (final,) * frames_per_block, final
+
+
 def _keys(value, where: str) -> frozenset[str]:
     if not isinstance(value, list):
         raise EventError(f"{where} must be a list of keys, got {type(value).__name__}")
@@ -52,8 +70,9 @@ def _keys(value, where: str) -> frozenset[str]:
     return frozenset(value)
 
 
-def parse_event(raw: object, frames_per_block: int) -> Event:
-    """Check one decoded JSON object and turn it into an event; raises EventError naming the problem."""
+def parse_event(raw: object, frames_per_block: int, max_prompt_chars: int = MAX_PROMPT_CHARS) -> Event:
+    """Check one decoded JSON object and turn it into an event, its prompt cleaned; raises EventError naming
+    the problem."""
     if not isinstance(raw, dict):
         raise EventError(f"an event must be a JSON object, got {type(raw).__name__}")
     unknown = set(raw) - {"event_id", "frames", "keys", "prompt"}
@@ -67,7 +86,9 @@ def parse_event(raw: object, frames_per_block: int) -> Event:
         raise EventError(f"prompt must be a string, got {type(prompt).__name__}")
     if prompt is not None:
         try:  # text no encoder can write would fail in the tokenizer on every later block
-            check_text(prompt, f"event {event_id} prompt")
+            prompt = clean_prompt(check_text(prompt, f"event {event_id} prompt"), max_prompt_chars)
+        except PromptError as exc:
+            raise EventError(f"event {event_id} prompt: {exc}") from None
         except ValueError as exc:
             raise EventError(str(exc)) from None
     if ("frames" in raw) == ("keys" in raw):
@@ -82,24 +103,20 @@ def parse_event(raw: object, frames_per_block: int) -> Event:
 
 
 def accept_event(raw: object, frames_per_block: int, max_prompt_chars: int) -> Event:
-    """An event as a session takes it, local or remote: parsed unless already typed, a script exactly one block
-    long, a prompt cleaned as the text path cleans it (normalize_prompt). EventError names what is wrong."""
-    event = raw if isinstance(raw, (ScriptEvent, KeyStateEvent)) else parse_event(raw, frames_per_block)
+    """An event as a session takes it, local or remote: parsed (its prompt cleaned) unless already typed, whose
+    prompt was cleaned at its own parse; a script exactly one block long. EventError names what is wrong."""
+    event = raw if isinstance(raw, (ScriptEvent, KeyStateEvent)) else parse_event(raw, frames_per_block,
+                                                                                  max_prompt_chars)
     if isinstance(event, ScriptEvent) and len(event.frames) != frames_per_block:
         raise EventError(f"event {event.event_id} frames must hold {frames_per_block} key sets, "
                          f"got {len(event.frames)}")
-    if event.prompt is not None:
-        try:
-            event = replace(event, prompt=normalize_prompt(event.prompt, max_prompt_chars))
-        except PromptError as exc:
-            raise EventError(f"event {event.event_id} prompt: {exc}") from None
     return event
 
 
-def parse_event_line(line: str | bytes, frames_per_block: int) -> Event:
+def parse_event_line(line: str | bytes, frames_per_block: int, max_prompt_chars: int = MAX_PROMPT_CHARS) -> Event:
     if len(line) > MAX_EVENT_LINE_BYTES:
         raise EventError(f"an event line is limited to {MAX_EVENT_LINE_BYTES} bytes")
-    return parse_event(decode_json(line), frames_per_block)
+    return parse_event(decode_json(line), frames_per_block, max_prompt_chars)
 
 
 def decode_json(text: str | bytes) -> object:
@@ -116,7 +133,8 @@ def decode_json(text: str | bytes) -> object:
         raise EventError("the JSON holds a number with too many digits") from None
 
 
-def parse_actions(events: str | dict | list, frames_per_block: int) -> list[Event]:
+def parse_actions(events: str | dict | list, frames_per_block: int,
+                  max_prompt_chars: int = MAX_PROMPT_CHARS) -> list[Event]:
     """The events of one live call (an app's /act): one event object or a list of them, as JSON text or
     already decoded, each parsed by `parse_event`; all are checked before any is used."""
     if isinstance(events, str):
@@ -135,7 +153,7 @@ def parse_actions(events: str | dict | list, frames_per_block: int) -> list[Even
         raise EventError('events must be a JSON object like {"event_id": 1, "keys": ["w"]} or a list of them')
     if len(events) > MAX_EVENTS_PER_CALL:
         raise EventError(f"at most {MAX_EVENTS_PER_CALL} events per call, got {len(events)}")
-    return [parse_event(raw, frames_per_block) for raw in events]
+    return [parse_event(raw, frames_per_block, max_prompt_chars) for raw in events]
 
 
 def read_events(text: str, frames_per_block: int) -> list[Event]:

@@ -18,8 +18,9 @@ What each config file may hold (the README lists the same):
 - model_index.json: transformer, vae, text_encoder and tokenizer entries of the classes in
   EXPECTED_CLASSES; scheduler of any class (nobody reads it); metadata keys ("_..."); the optional
   parts a one-expert, text-only checkpoint leaves empty (transformer_2, image_encoder,
-  image_processor: null or [null, null]; boundary_ratio null; expand_timesteps false) and any other
-  scalar key. Refused: a missing or wrong-class required part, a filled optional part, and any other
+  image_processor: null or [null, null]; expand_timesteps false); `boundary_ratio` (the published
+  index carries 0.9: the step at which a second transformer would take over; with none it has no effect,
+  so any number in [0, 1] or null is accepted and recorded on LoadedParts) and any other scalar key. Refused: a missing or wrong-class required part, a filled optional part, and any other
   [library, class] part, which this loader would otherwise silently leave out.
 - transformer/config.json: exactly the published key set (config.PUBLISHED_KEYS, all of them) plus
   metadata; see TransformerConfig.from_diffusers_config for what each value may be.
@@ -71,7 +72,9 @@ EXPECTED_CLASSES: dict[str, tuple[str, ...]] = {
 }
 # Parts a one-expert, text-only checkpoint may list but must leave empty, and the empty value of each.
 OPTIONAL_EMPTY_PARTS = ("transformer_2", "image_encoder", "image_processor")
-EMPTY_SCALARS = {"boundary_ratio": None, "expand_timesteps": False}  # two-expert switch; per-token timesteps
+EMPTY_SCALARS = {"expand_timesteps": False}  # per-token timesteps: not this model's sampler
+# The two-expert switch point: the published index carries 0.9 with transformer_2 empty, where it selects nothing.
+BOUNDARY_RATIO = "boundary_ratio"
 # Only the subfolders the loader reads are fetched from the Hub.
 HUB_PATTERNS = ["model_index.json", "transformer/*", "vae/*", "text_encoder/*", "tokenizer/*", "scheduler/*"]
 
@@ -88,6 +91,9 @@ class LoadedParts:
     transformer: CausalLingBotWorldTransformer3DModel
     vae: AutoencoderKLWan
     text_encoder: TextEncoder
+    # model_index.json's two-expert switch point, as the checkpoint gives it (the published 0.9): recorded
+    # only, since with transformer_2 empty every step runs the one transformer.
+    boundary_ratio: float | None = None
 
 
 def load_pipeline_parts(source: str | Path, *, dtype: torch.dtype = torch.bfloat16,
@@ -197,7 +203,7 @@ def load_folder(folder: str | Path, *, dtype: torch.dtype = torch.bfloat16, devi
     """Load a checkpoint folder; cheap checks (configs, tensor names and shapes) run before any weights."""
     _check_dtype_device(dtype, device)
     folder = Path(folder)
-    _check_model_index(folder)
+    boundary_ratio = _check_model_index(folder)
 
     transformer_config = _read_transformer_config(folder / "transformer")
     with torch.device("meta"):
@@ -215,7 +221,8 @@ def load_folder(folder: str | Path, *, dtype: torch.dtype = torch.bfloat16, devi
     load_transformer_shards(transformer, plan, dtype=dtype, device=device)
     text_encoder = _load_text_encoder(folder, config.text, dtype, device)
     _check_text_dim(text_encoder, transformer_config, str(folder / "text_encoder"))
-    return LoadedParts(config=config, transformer=transformer, vae=vae, text_encoder=text_encoder)
+    return LoadedParts(config=config, transformer=transformer, vae=vae, text_encoder=text_encoder,
+                       boundary_ratio=boundary_ratio)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -230,7 +237,18 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _check_model_index(folder: Path) -> None:
+def _boundary_ratio(index: dict[str, Any], index_path: Path) -> float | None:
+    """The index's boundary_ratio: null, or a number in [0, 1] (it has no effect with one transformer)."""
+    value = index.get(BOUNDARY_RATIO)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise CheckpointError(f"{index_path}: boundary_ratio is {value!r}; expected null or a number in [0, 1]")
+    return float(value)
+
+
+def _check_model_index(folder: Path) -> float | None:
+    """Check model_index.json; returns its boundary_ratio (recorded, without effect: there is no transformer_2)."""
     index_path = folder / "model_index.json"
     index = _read_json(index_path)
     for part, allowed in EXPECTED_CLASSES.items():
@@ -254,7 +272,7 @@ def _check_model_index(folder: Path) -> None:
         if index.get(key, empty) != empty:
             raise CheckpointError(f"{index_path}: {key} is {index[key]!r}; this one-expert model with one timestep "
                                   f"a block needs {json.dumps(empty)}")
-    known = set(EXPECTED_CLASSES) | {"scheduler", *OPTIONAL_EMPTY_PARTS, *EMPTY_SCALARS}
+    known = set(EXPECTED_CLASSES) | {"scheduler", *OPTIONAL_EMPTY_PARTS, *EMPTY_SCALARS, BOUNDARY_RATIO}
     for key, entry in index.items():
         if key.startswith("_") or key in known:
             continue
@@ -262,6 +280,7 @@ def _check_model_index(folder: Path) -> None:
             raise CheckpointError(f"{index_path}: part {key!r} ({entry[1]}) is not one this loader builds, and "
                                   "leaving it out could change the model; expected transformer, vae, text_encoder, "
                                   "tokenizer and scheduler only")
+    return _boundary_ratio(index, index_path)
 
 
 def _read_transformer_config(subfolder: Path) -> TransformerConfig:
@@ -323,8 +342,7 @@ def _load_text_encoder(folder: Path, text_config: TextConfig, dtype: torch.dtype
     if len(tokenizer) > model.config.vocab_size:  # ids past the embedding table would fail at the first prompt
         raise CheckpointError(f"{folder / 'tokenizer'} has {len(tokenizer)} tokens but the text encoder's vocabulary "
                               f"has {model.config.vocab_size}; they do not belong together")
-    return TextEncoder(tokenizer=tokenizer, model=model, max_length=text_config.max_length,
-                       max_prompt_chars=text_config.max_prompt_chars)
+    return TextEncoder(tokenizer=tokenizer, model=model, max_length=text_config.max_length)
 
 
 def _model_config(vae: AutoencoderKLWan, transformer_config: TransformerConfig, hint: ModelConfig | None,

@@ -22,7 +22,7 @@ from .pages import PageAllocator
 from .loading import LoadedParts, load_pipeline_parts
 from .startup import StartupLog, maybe_stage
 from .model.attention import context_frames
-from .model.text import TextEncoder, normalize_prompt
+from .model.text import TextEncoder
 from .model.vae_stream import ConditionStream, FrameDecoder, SharedCondition, compile_frame_decoder, decode_latent_frame
 from .precision import AUTO, DTYPES, Precision, choose_precision
 from .requests import StartRequest, parse_start
@@ -88,11 +88,21 @@ class Pipeline:
     def with_prompt(self, state: RolloutState, prompt: str) -> RolloutState:
         """A copy of `state` that uses a new prompt; `state` itself stays valid until a block commits.
 
-        The text K/V are computed only when the text really changes (a script may repeat its prompt)."""
-        text = normalize_prompt(prompt, self.config.text.max_prompt_chars)
-        if text == state.prompt:
+        `prompt` was cleaned at the boundary (an event's parse) and is taken as it is. The text K/V are computed
+        only when the text really changes (a script may repeat its prompt)."""
+        if prompt == state.prompt:
             return state
-        return replace(state, text_kv=self.encode_prompt(text), prompt=text)
+        return replace(state, text_kv=self.encode_prompt(prompt), prompt=prompt)
+
+    def prompt_notice(self, prompt: str) -> str | None:
+        """What the model does not read of a cleaned prompt, in words (None: it reads all of it). Tokenizer
+        work only, no PyTorch kernel: request threads may call it."""
+        count, dropped = self.text_encoder.tokens_past_limit(prompt)
+        if not dropped:
+            return None
+        keep = self.text_encoder.max_length
+        return (f"the prompt is {count} tokens; the model reads its first {keep} (the rest, {dropped} tokens, is "
+                f"cut as upstream cuts it)")
 
     def step(self, pool: KVPagePool, pages: PageAllocator, state: RolloutState, control: BlockControl,
              on_stage=None) -> tuple[BlockOutput, RolloutState]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from PIL import Image
 
 from .image import fit_image, load_image
-from .model.text import normalize_prompt
+from .model.text import clean_prompt
 from .user_text import check_text, quote
 
 MAX_SEED = 2**63 - 1
@@ -26,7 +26,7 @@ class RequestError(ValueError):
 @dataclass(frozen=True)
 class StartRequest:
     picture: Image.Image  # RGB, exactly the model's width x height (decoded once, fitted once)
-    prompt: str  # cleaned as the official tokenizer path cleans it (normalize_prompt), within the limit
+    prompt: str  # cleaned once, as the official tokenizer path cleans it (clean_prompt); the tokenizer takes it as is
     seed: int  # 0 <= seed <= MAX_SEED
 
 
@@ -57,7 +57,7 @@ def parse_start(image, prompt, seed, config) -> StartRequest:
     if image is None:
         raise RequestError("upload an image (or pick one of the examples) first")
     # Refused as sent, before any cleaning could hide it: the sender must learn their text is broken.
-    text = normalize_prompt(check_text(prompt, "the prompt") if isinstance(prompt, str) else prompt,
-                            config.text.max_prompt_chars)
+    text = clean_prompt(check_text(prompt, "the prompt") if isinstance(prompt, str) else prompt,
+                        config.text.max_prompt_chars)
     picture = fit_image(load_image(image), config.height, config.width)
     return StartRequest(picture, text, parse_seed(seed))

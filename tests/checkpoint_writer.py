@@ -6,7 +6,7 @@ against the modules returned here. Every config file carries the key set of the 
 
 - transformer/config.json: the published LingBot-World v2 transformer config (config.PUBLISHED_KEYS,
   as upstream's loaders list it);
-- model_index.json: the published parts (reference notes);
+- model_index.json: the published index, verbatim (training.export.PUBLISHED_MODEL_INDEX);
 - vae/config.json and text_encoder/config.json: the key sets of the Wan 2.1 diffusers export whose
   VAE and UMT5-XXL the checkpoint reuses (the 14B and 1.3B releases share them);
 - tokenizer/: tokenizer.json, tokenizer_config.json and special_tokens_map.json (the sentencepiece
@@ -28,12 +28,13 @@ from safetensors.torch import save_file
 from lingbot_core.config import ModelConfig
 from lingbot_core.loading import TRANSFORMER_INDEX, TRANSFORMER_WEIGHTS, LoadedParts, build_seeded_parts
 
-from training.export import MODEL_INDEX  # noqa: E402  (the shipped embedded folder writes the same index)
+from training.export import PUBLISHED_MODEL_INDEX  # noqa: E402  (the published index, verbatim)
 
 
 # Key sets of the published config files (values shrunk in a tiny checkpoint, keys kept).
-PUBLISHED_MODEL_INDEX_KEYS = ("_class_name", "_diffusers_version", "scheduler", "text_encoder", "tokenizer",
-                              "transformer", "transformer_2", "vae")
+PUBLISHED_MODEL_INDEX_KEYS = ("_class_name", "_diffusers_version", "boundary_ratio", "image_encoder",
+                              "image_processor", "scheduler", "text_encoder", "tokenizer", "transformer",
+                              "transformer_2", "vae")
 PUBLISHED_VAE_KEYS = ("_class_name", "_diffusers_version", "attn_scales", "base_dim", "dim_mult", "dropout",
                       "latents_mean", "latents_std", "num_res_blocks", "temperal_downsample", "z_dim")
 PUBLISHED_TEXT_ENCODER_KEYS = (
@@ -56,7 +57,7 @@ def write_tiny_checkpoint(path: str | Path, model_config: ModelConfig, shards: i
     path.mkdir(parents=True, exist_ok=True)
     parts = build_seeded_parts(model_config, seed, dtype=torch.float32, device="cpu")
 
-    (path / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=2))
+    (path / "model_index.json").write_text(json.dumps(PUBLISHED_MODEL_INDEX, indent=2))
     write_transformer(path / "transformer", model_config, parts.transformer.state_dict(), shards)
     parts.vae.save_pretrained(path / "vae")
     _keep_published_vae_keys(path / "vae" / "config.json")

@@ -203,7 +203,7 @@ def test_bad_input_gets_a_message_and_the_server_keeps_serving(server, tmp_path)
         ((handle_file(str(truncated)), "a forest", 0), "not a readable image"),
         ((handle_file(str(huge)), "a forest", 0), "at most 40000000 pixels"),
         ((handle_file(str(FOREST)), "   ", 0), "prompt is empty"),
-        ((handle_file(str(FOREST)), "x" * 2001, 0), "the limit is 2000"),
+        ((handle_file(str(FOREST)), "x" * 16385, 0), "the limit is 16384"),
         ((None, "a forest", 0), "upload an image"),
     ]
     for args, message in cases:

@@ -186,7 +186,7 @@ _DELETE = object()
 # ---- the other component configs ---------------------------------------------------------------
 
 @pytest.mark.parametrize("file,changes", [
-    ("model_index.json", {"image_encoder": [None, None], "image_processor": [None, None], "boundary_ratio": None,
+    ("model_index.json", {"image_encoder": None, "image_processor": None, "boundary_ratio": None,
                           "expand_timesteps": False, "_name_or_path": "x", "some_flag": 3}),
     ("model_index.json", {"scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "transformer_2": None}),
     ("model_index.json", {"tokenizer": ["transformers", "T5Tokenizer"]}),
@@ -206,7 +206,8 @@ def test_accepted_variants_load(checkpoint, tmp_path, file, changes):
 @pytest.mark.parametrize("file,changes,pattern", [
     ("model_index.json", {"image_encoder": ["transformers", "CLIPVisionModel"]}, "image_encoder is .*no image encoder"),
     ("model_index.json", {"image_processor": ["transformers", "CLIPImageProcessor"]}, "image_processor is"),
-    ("model_index.json", {"boundary_ratio": 0.9}, "boundary_ratio is 0.9"),
+    ("model_index.json", {"boundary_ratio": 1.5}, r"boundary_ratio is 1.5; expected null or a number in \[0, 1\]"),
+    ("model_index.json", {"boundary_ratio": "0.9"}, "boundary_ratio is '0.9'"),
     ("model_index.json", {"expand_timesteps": True}, "expand_timesteps is True"),
     ("model_index.json", {"controlnet": ["diffusers", "ControlNetModel"]}, "part 'controlnet' .* not one this loader"),
     ("model_index.json", {"text_encoder": ["transformers", "T5EncoderModel"]}, "text_encoder is 'T5EncoderModel'"),
@@ -241,3 +242,29 @@ def test_a_tokenizer_larger_than_the_encoder_vocabulary_is_refused(checkpoint, t
     save_file(tensors, weights, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=rf"has {vocab} tokens but the text encoder's vocabulary has {vocab - 10}"):
         load_pipeline_parts(folder, dtype=torch.float32, preset_hint=CFG)
+
+
+def test_the_published_model_index_loads_verbatim_and_records_its_boundary_ratio(checkpoint):
+    """The official index (vLLM-Omni's fixture of it) carries boundary_ratio 0.9, the DMD pipeline class and
+    the empty second expert and image branch; the checkpoint writer writes it byte for byte as json.dumps."""
+    index = _json(checkpoint / "model_index.json")
+    assert index == {
+        "_class_name": "LingBotWorldCausalDMDPipeline", "_diffusers_version": "0.35.0.dev0", "boundary_ratio": 0.9,
+        "image_encoder": [None, None], "image_processor": [None, None],
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"], "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "T5TokenizerFast"],
+        "transformer": ["diffusers", "CausalLingBotWorldTransformer3DModel"], "transformer_2": [None, None],
+        "vae": ["diffusers", "AutoencoderKLWan"]}
+    parts = load_pipeline_parts(checkpoint, dtype=torch.float32, preset_hint=CFG)
+    assert parts.boundary_ratio == 0.9 and parts.config.transformer == CFG.transformer
+
+
+def test_the_official_transformer_config_file_loads_verbatim(checkpoint, tmp_path):
+    """The published transformer/config.json, as a file, through the folder loader (the 14B shape, so only the
+    config stage is reached: the tiny weights then fail by name, which proves the config itself passed)."""
+    folder = tmp_path / "official"
+    shutil.copytree(checkpoint, folder)
+    (folder / "transformer" / "config.json").write_text(json.dumps(OFFICIAL_TRANSFORMER_CONFIG, indent=2))
+    with pytest.raises(CheckpointError) as caught:
+        load_pipeline_parts(folder, dtype=torch.float32, preset_hint=CFG)
+    assert str(caught.value).startswith("tensor ") and "but the model defines [5120]" in str(caught.value)

@@ -439,8 +439,9 @@ def test_prompt_switch_changes_output_and_keeps_original_state_usable(tiny_pipel
     _assert_same_block(output, new_state, paged, window_run.outputs[b], window_run.states[b + 1],
                        window_run.pools[b + 1])
 
-    # The same prompt in other whitespace is the same prompt.
-    respaced = tiny_pipeline.with_prompt(state, "  " + PROMPT.replace(" ", " \t ") + "\n")
+    # The same prompt in other whitespace is the same prompt, once the boundary has cleaned it.
+    from lingbot_core.model.text import clean_prompt
+    respaced = tiny_pipeline.with_prompt(state, clean_prompt("  " + PROMPT.replace(" ", " \t ") + "\n", 1000))
     assert respaced.prompt == PROMPT
     fresh = window_run.pools[b].copy()
     same, _ = tiny_pipeline.step(fresh.pool, fresh.pages, respaced, control)

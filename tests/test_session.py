@@ -159,10 +159,16 @@ def test_held_keys_taps_and_scripts_drive_the_camera(pipe, pool, pages, image):
         # (events posted before the block, the key sets the block must apply)
         ([{"event_id": 1, "keys": ["w"]}], _keys("w", "w", "w")),
         ([], _keys("w", "w", "w")),  # held keys keep acting without new input
-        ([{"event_id": 2, "keys": ["w", "j"]}, {"event_id": 3, "keys": ["w"]}], _keys("wj", "w", "w")),  # a tap
-        ([{"event_id": 5, "frames": [["l"], [], ["i"]]}], _keys("wl", "w", "wi")),  # a script over held keys
-        ([{"event_id": 6, "keys": []}, {"event_id": 7, "frames": [["d"], ["d"], []]},
-          {"event_id": 8, "keys": ["s"]}], _keys("d", "d", "")),  # the script ends the block's input
+        # a tap over a held key: upstream's reducer keeps one pulse, the last non-empty state, which is W
+        ([{"event_id": 2, "keys": ["w", "j"]}, {"event_id": 3, "keys": ["w"]}], _keys("w", "w", "w")),
+        ([{"event_id": 4, "keys": ["w", "j"]}, {"event_id": 41, "keys": []}, {"event_id": 42, "keys": ["d"]},
+          {"event_id": 43, "keys": []}, {"event_id": 44, "keys": ["w"]}],
+         _keys("w", "w", "w")),  # taps of J and D, then W again: every pulse is lost
+        ([{"event_id": 45, "keys": ["w", "j"]}, {"event_id": 46, "keys": []}], _keys("wj", "", "")),  # a pulse
+        ([{"event_id": 47, "keys": ["w"]}], _keys("w", "w", "w")),
+        ([{"event_id": 50, "frames": [["l"], [], ["i"]]}], _keys("wl", "w", "wi")),  # a script over held keys
+        ([{"event_id": 60, "keys": []}, {"event_id": 70, "frames": [["d"], ["d"], []]},
+          {"event_id": 80, "keys": ["s"]}], _keys("d", "d", "")),  # the script ends the block's input
         ([], _keys("s", "s", "s")),  # the event after the script applies at the next boundary
     ]
     tail = camera.CameraState.initial()
@@ -176,8 +182,8 @@ def test_held_keys_taps_and_scripts_drive_the_camera(pipe, pool, pages, image):
         np.testing.assert_array_equal(output.poses, poses)
     np.testing.assert_array_equal(session.rollout.camera.pose, tail.pose)
     assert session.rollout.camera.pitch_deg == tail.pitch_deg == CONFIG.camera.pitch_step_deg
-    assert [b["event_ids"] for b in session.replay.blocks] == [[1], [], [2, 3], [5], [6, 7], [8]]
-    assert session.event_floor == 8 and session.held_keys == frozenset("s") and not session.queue
+    assert [b["event_ids"] for b in session.replay.blocks] == [[1], [], [2, 3], [4, 41, 42, 43, 44], [45, 46], [47], [50], [60, 70], [80]]
+    assert session.event_floor == 80 and session.held_keys == frozenset("s") and not session.queue
     session.close()
 
 
@@ -499,3 +505,30 @@ def test_replay_reproduces_the_identical_latents_offline(pipe, pool, pages, imag
     for block, (a, b) in enumerate(zip(latents, offline)):
         assert torch.equal(a, b), f"block {block}"
     session.close()
+
+
+def test_prompts_reach_the_tokenizer_cleaned_once(pipe, pool, pages, image, monkeypatch):
+    """A start's prompt and a switch's prompt reach the tokenizer exactly as the official single clean leaves
+    them (fidelity audit 2): cleaned at the boundary, never again in the session, pipeline or text path."""
+    from test_text import PROMPT_CASES, official_clean
+
+    seen: list[str] = []
+    tokenizer_type = type(pipe.text_encoder.tokenizer)
+    original = tokenizer_type.__call__
+
+    def spy(self, text, *args, **kwargs):
+        seen.extend([text] if isinstance(text, str) else list(text))
+        return original(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer_type, "__call__", spy)
+    session = Session("s", pipe, pool, pages, _request(pipe, image, prompt=PROMPT_CASES[0]))
+    try:
+        assert seen == [official_clean(PROMPT_CASES[0])]
+        for event_id, raw in enumerate(PROMPT_CASES[1:], start=1):
+            seen.clear()
+            session.post_event({"event_id": event_id, "keys": [], "prompt": raw})
+            session.step()
+            assert seen == [official_clean(raw)], raw
+            assert session.replay.blocks[-1]["prompt"] == official_clean(raw)
+    finally:
+        session.close()

@@ -9,7 +9,7 @@ from lingbot_core.model.text import (
     PromptError,
     build_embedded_text_encoder,
     build_embedded_tokenizer,
-    normalize_prompt,
+    clean_prompt,
 )
 
 TINY_TEXT = tiny_config().text
@@ -20,56 +20,95 @@ def encoder64():
     return build_embedded_text_encoder(TINY_TEXT, seed=0, dtype=torch.float64, device="cpu")
 
 
-# --- prompt normalisation -------------------------------------------------------------------
+# --- the one clean of a prompt ---------------------------------------------------------------
 
-def test_normalize_collapses_whitespace():
-    assert normalize_prompt("  a\tcat \n\n walks   in\r\nthe rain ", 100) == "a cat walks in the rain"
-    assert normalize_prompt("x", 1) == "x"
+def official_clean(text: str) -> str:
+    """The official tokenizer path (wan/modules/tokenizers.py), as upstream writes it:
+    whitespace_clean(basic_clean(text)), with `regex` imported as re."""
+    import html
+
+    import ftfy
+    import regex as re
+
+    def basic_clean(text):
+        text = ftfy.fix_text(text)
+        text = html.unescape(html.unescape(text))
+        return text.strip()
+
+    def whitespace_clean(text):
+        text = re.sub(r"\s+", " ", text)
+        text = text.strip()
+        return text
+
+    return whitespace_clean(basic_clean(text))
+
+
+def test_clean_collapses_whitespace():
+    assert clean_prompt("  a\tcat \n\n walks   in\r\nthe rain ", 100) == "a cat walks in the rain"
+    assert clean_prompt("x", 1) == "x"
 
 
 @pytest.mark.parametrize("bad", [None, 3, b"bytes", ["a"]])
-def test_normalize_refuses_non_strings(bad):
+def test_clean_refuses_non_strings(bad):
     with pytest.raises(PromptError, match="must be a string"):
-        normalize_prompt(bad, 100)
+        clean_prompt(bad, 100)
 
 
 @pytest.mark.parametrize("bad", ["", "   ", "\n\t "])
-def test_normalize_refuses_empty(bad):
+def test_clean_refuses_empty(bad):
     with pytest.raises(PromptError, match="empty"):
-        normalize_prompt(bad, 100)
+        clean_prompt(bad, 100)
 
 
-def test_prompt_cleaning_follows_the_official_tokenizer_path():
-    """ftfy.fix_text, then html.unescape twice, then whitespace: mojibake and double-escaped entities repaired."""
-    mojibake = "A cafÃ© by the riverâ€™s edge, crÃ¨me-coloured walls"  # UTF-8 bytes read as cp1252
-    assert normalize_prompt(mojibake, 100) == "A café by the river's edge, crème-coloured walls"
-    assert normalize_prompt("rock &amp;amp; roll &lt;3 &quot;live&quot;", 100) == 'rock & roll <3 "live"'
-    # a non-breaking space from mojibake is repaired, not collapsed away first ("Ã\xa0" is "à")
-    assert normalize_prompt("voil\u00c3\u00a0 la mer", 100) == "voilà la mer"
-    # entities that decode to whitespace are collapsed like any other whitespace
-    assert normalize_prompt("a&nbsp;&nbsp; b&#10;c", 100) == "a b c"
-    # clean text is unchanged, and the length bound applies to the cleaned text
-    assert normalize_prompt("a forest path at dawn", 100) == "a forest path at dawn"
-    assert normalize_prompt("&amp;amp;" * 5, 5) == "&&&&&"
-    with pytest.raises(PromptError, match="before cleaning"):
-        normalize_prompt(" " * 70000, 100)
+# The six cases of the audit: each reaches the tokenizer as the official single clean leaves it.
+PROMPT_CASES = [
+    "a<b &amp;amp;amp;lt;c",  # ftfy leaves entities alone beside a literal "<": a second clean changed it
+    "1 < 2 &amp;amp;amp;amp; tea",  # html unescapes twice; a second clean would unescape twice more
+    "A cafÃ© by the riverâ€™s edge",  # mojibake (UTF-8 bytes read as cp1252)
+    "  a\tb\u3000c\x1cd\u00a0e  ",  # regex's \s is Unicode White_Space: \x1c stays, str.split would drop it
+    "&lt;b&gt;bold&lt;/b&gt; voil\u00c3\u00a0",  # tags from entities, then a non-breaking space from mojibake
+    "rock &amp;amp; roll &lt;3 &quot;live&quot;",
+]
 
 
-def test_cleaned_prompts_encode_identically(encoder64):
-    assert torch.equal(encoder64.encode("cafÃ© &amp;amp; bar"), encoder64.encode("café & bar"))
+@pytest.mark.parametrize("raw", PROMPT_CASES)
+def test_a_prompt_is_cleaned_once_as_the_official_path_cleans_it(raw):
+    assert clean_prompt(raw, 1000) == official_clean(raw)
 
 
-def test_normalize_bounds_length_after_collapsing():
-    assert normalize_prompt("ab" + " " * 50 + "cd", 5) == "ab cd"  # 5 chars once collapsed
-    with pytest.raises(PromptError, match="6 characters.*limit is 5"):
-        normalize_prompt("abc   de", 5)
+def test_the_cases_would_change_under_a_second_clean():
+    """Why once matters: the first two cases are not fixed points of the clean."""
+    changed = [raw for raw in PROMPT_CASES if clean_prompt(clean_prompt(raw, 1000), 1000) != clean_prompt(raw, 1000)]
+    assert PROMPT_CASES[0] in changed and PROMPT_CASES[1] in changed
+
+
+def test_the_raw_text_is_bounded_before_any_work():
+    assert clean_prompt("ab" + " " * 50 + "cd", 54) == "ab cd"
+    with pytest.raises(PromptError, match="55 characters; the limit is 54"):
+        clean_prompt("ab" + " " * 51 + "cd", 54)
     assert issubclass(PromptError, ValueError)
 
 
-def test_encode_refuses_bad_prompts(encoder64):
-    for bad in ["", "  ", None, "x" * (TINY_TEXT.max_prompt_chars + 1)]:
-        with pytest.raises(PromptError):
-            encoder64.encode(bad)
+def test_the_encoder_tokenizes_the_cleaned_text_as_it_is(encoder64):
+    """No second clean in the text path: what the boundary cleaned is what the tokenizer gets."""
+    text = clean_prompt(PROMPT_CASES[0], 1000)  # "a<b &amp;lt;c"
+    ids, mask = encoder64.tokenize(text)
+    direct = encoder64.tokenizer([text], padding="max_length", truncation=True, max_length=encoder64.max_length,
+                                 add_special_tokens=True, return_tensors="pt")
+    assert torch.equal(ids, direct["input_ids"]) and torch.equal(mask, direct["attention_mask"])
+    assert not torch.equal(ids, encoder64.tokenize("a<b <c")[0])
+
+
+def test_a_long_prompt_is_truncated_as_upstream_truncates(encoder64):
+    """Upstream tokenizes with truncation=True at max_length (the end token kept last), never refusing."""
+    text = "a long road " * 20
+    count, dropped = encoder64.tokens_past_limit(text)
+    assert count > encoder64.max_length and dropped == count - encoder64.max_length
+    ids, mask = encoder64.tokenize(text)
+    full = encoder64.tokenizer(text, add_special_tokens=True)["input_ids"]
+    assert ids[0].tolist() == full[:encoder64.max_length - 1] + [encoder64.tokenizer.eos_token_id]
+    assert int(mask.sum()) == encoder64.max_length
+    assert encoder64.tokens_past_limit("short") == (len(encoder64.tokenizer("short")["input_ids"]), 0)
 
 
 # --- tokenizer ---------------------------------------------------------------------------------

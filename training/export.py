@@ -27,9 +27,15 @@ from training.world import load_checkpoint, load_vae, model_config
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "lingbot_core" / "embedded_model"
 
-MODEL_INDEX = {
-    "_class_name": "LingBotWorldCausalPipeline",
-    "_diffusers_version": diffusers.__version__,
+# The published checkpoint's model_index.json, verbatim (vLLM-Omni's fixture of the official index): a
+# two-expert key set with the second expert and the image branch empty, and boundary_ratio 0.9, which
+# selects nothing without transformer_2. The loader takes it as it is; the tests' checkpoints write it.
+PUBLISHED_MODEL_INDEX = {
+    "_class_name": "LingBotWorldCausalDMDPipeline",
+    "_diffusers_version": "0.35.0.dev0",
+    "boundary_ratio": 0.9,
+    "image_encoder": [None, None],
+    "image_processor": [None, None],
     "scheduler": ["diffusers", "UniPCMultistepScheduler"],
     "text_encoder": ["transformers", "UMT5EncoderModel"],
     "tokenizer": ["transformers", "T5TokenizerFast"],
@@ -37,6 +43,8 @@ MODEL_INDEX = {
     "transformer_2": [None, None],
     "vae": ["diffusers", "AutoencoderKLWan"],
 }
+# An exported folder carries the same keys, with the diffusers version that wrote it.
+MODEL_INDEX = dict(PUBLISHED_MODEL_INDEX, _diffusers_version=diffusers.__version__)
 
 
 def export(vae_folder: Path, world_run: Path, out: Path) -> Path:

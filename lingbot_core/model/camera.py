@@ -226,6 +226,31 @@ def intrinsics_for(cfg: CameraConfig, width: int, height: int) -> tuple[float, f
     return float(fx), float(fy), float(cx), float(cy)
 
 
+def _relative_to(base: np.ndarray, poses: np.ndarray) -> np.ndarray:
+    """inv(base) @ poses [..., 4, 4] for rigid poses, as upstream's SE(3) inverse [R^T, -R^T t] gives it.
+
+    The translation is taken as R^T (t - t_base), a difference first, so a camera that has not moved gets
+    exactly 0. A general matrix inverse (np.linalg.inv) leaves rounding noise of 1e-17 or less there,
+    which the per-block normalisation (divide by the largest step) then scales up to a unit step: a pure
+    turn would read as a full-speed walk."""
+    rotation_t = base[:3, :3].T
+    out = np.zeros(poses.shape)
+    out[..., :3, :3] = rotation_t @ poses[..., :3, :3]
+    out[..., :3, 3] = (poses[..., :3, 3] - base[:3, 3]) @ rotation_t.T
+    out[..., 3, 3] = 1.0
+    return out
+
+
+def _steps(poses: np.ndarray) -> np.ndarray:
+    """inv(poses[i]) @ poses[i + 1] [F-1, 4, 4], each step of a rigid path, exact as `_relative_to` is."""
+    rotation_t = np.swapaxes(poses[:-1, :3, :3], -1, -2)
+    out = np.zeros((len(poses) - 1, 4, 4))
+    out[:, :3, :3] = rotation_t @ poses[1:, :3, :3]
+    out[:, :3, 3] = np.einsum("fij,fj->fi", rotation_t, poses[1:, :3, 3] - poses[:-1, :3, 3])
+    out[:, 3, 3] = 1.0
+    return out
+
+
 def _normalise(v: np.ndarray) -> np.ndarray:
     return v / np.linalg.norm(v, axis=-1, keepdims=True)
 
@@ -255,9 +280,9 @@ def plucker_block(anchor_pose: np.ndarray, poses: np.ndarray, intrinsics: np.nda
         raise ValueError(f"width and height must be positive; got {width}x{height}")
 
     sequence = np.concatenate([anchor_pose[None], poses])  # [F+1, 4, 4]
-    relative = np.linalg.inv(sequence[0]) @ sequence
+    relative = _relative_to(sequence[0], sequence)
     deltas = np.broadcast_to(np.eye(4), sequence.shape).copy()
-    deltas[1:] = np.linalg.inv(relative[:-1]) @ relative[1:]
+    deltas[1:] = _steps(relative)
     origins = deltas[:, :3, 3]  # [F+1, 3]
     if translation_scale is None:
         largest = np.linalg.norm(origins, axis=-1).max()
@@ -577,8 +602,7 @@ def trajectory_translation_scale(poses: np.ndarray) -> float:
     poses = np.asarray(poses, dtype=np.float64)
     if len(poses) < 2:
         return 0.0
-    relative = np.linalg.inv(poses[0]) @ poses
-    steps = np.linalg.inv(relative[:-1]) @ relative[1:]
+    steps = _steps(_relative_to(poses[0], poses))
     return float(np.linalg.norm(steps[:, :3, 3], axis=-1).max())
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import html
 import string
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import ftfy
+import regex  # the official cleaner's module: its \s is Unicode White_Space (unlike re's, not \x1c-\x1f)
 import torch
 from transformers import PreTrainedTokenizerBase, T5TokenizerFast, UMT5Config, UMT5EncoderModel
 
@@ -19,31 +21,32 @@ from lingbot_core.config import TextConfig
 
 
 class PromptError(ValueError):
-    """A prompt that cannot be encoded (not a string, empty, or too long)."""
+    """A prompt that cannot be encoded (not a string, empty, or past the bound on its length)."""
 
 
-def normalize_prompt(text: object, max_chars: int) -> str:
-    """Clean a prompt as the official tokenizer path does, then bound it.
+def clean_prompt(text: object, max_chars: int) -> str:
+    """The one clean of a prompt, at the boundary: exactly the official tokenizer path's
+    `whitespace_clean(basic_clean(text))`, applied once.
 
-    The official path (Wan's `basic_clean` + `whitespace_clean`) repairs mojibake with `ftfy.fix_text`
-    (UTF-8 read as Latin-1/cp1252, e.g. "cafÃ©" -> "café"), unescapes HTML entities twice (so
-    "&amp;amp;" becomes "&"), then collapses every whitespace run to one space and strips the ends.
-    The UMT5 encoder was trained on prompts cleaned this way, so the same text must reach it here.
+    basic_clean repairs mojibake with `ftfy.fix_text` (UTF-8 read as Latin-1/cp1252: "cafÃ©" -> "café"),
+    unescapes HTML entities twice and strips; whitespace_clean turns every run of `regex`'s \\s (Unicode
+    White_Space) into one space and strips. The UMT5 encoder was trained on prompts cleaned this way. Once
+    only: ftfy leaves entities alone in text that holds a literal "<", so a second clean would change such
+    text again ("a<b &amp;amp;amp;lt;c" is "a<b &amp;lt;c" after one clean and "a<b <c" after three).
+
+    `max_chars` bounds the raw text against abuse, before any work; the model itself reads the first
+    `TextConfig.max_length` tokens of the cleaned text, as upstream truncates (`TextEncoder.tokens_past_limit`
+    says how many it drops).
     """
     if not isinstance(text, str):
         raise PromptError(f"prompt must be a string, got {type(text).__name__}")
-    # Bound the raw text before the repair, which is linear but not free; padding with whitespace or
-    # entities is allowed up to this much, the cleaned text is then held to max_chars.
-    if len(text) > max(16 * max_chars, 65536):
-        raise PromptError(f"prompt has {len(text)} characters before cleaning; the limit is {max_chars}")
-    repaired = html.unescape(html.unescape(ftfy.fix_text(text)))
-    collapsed = " ".join(repaired.split())
-    if not collapsed:
+    if len(text) > max_chars:
+        raise PromptError(f"prompt has {len(text)} characters; the limit is {max_chars}")
+    cleaned = html.unescape(html.unescape(ftfy.fix_text(text))).strip()
+    cleaned = regex.sub(r"\s+", " ", cleaned).strip()
+    if not cleaned:
         raise PromptError("prompt is empty (or only whitespace)")
-    if len(collapsed) > max_chars:
-        raise PromptError(f"prompt has {len(collapsed)} characters after collapsing whitespace; "
-                          f"the limit is {max_chars}")
-    return collapsed
+    return cleaned
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,9 @@ class TextEncoder:
     tokenizer: PreTrainedTokenizerBase
     model: UMT5EncoderModel
     max_length: int
-    max_prompt_chars: int
+    # A fast tokenizer sets its truncation and padding on the shared Rust object for each call, so two
+    # threads calling it at once can fail ("Already borrowed"): every call here takes this lock.
+    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
     @property
     def d_model(self) -> int:
@@ -64,17 +69,25 @@ class TextEncoder:
         return self.model.get_input_embeddings().weight.device
 
     def tokenize(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids and attention mask, each [1, max_length] (padded and truncated to exactly that)."""
-        batch = self.tokenizer(
-            [normalize_prompt(prompt, self.max_prompt_chars)],
-            padding="max_length",
-            truncation=True,
-            max_length=self.max_length,
-            add_special_tokens=True,
-            return_attention_mask=True,
-            return_tensors="pt",
-        )
+        """Token ids and attention mask, each [1, max_length], of a prompt cleaned at the boundary (clean_prompt),
+        taken as it is: padded and truncated to exactly max_length, as the official T5 path calls the tokenizer."""
+        with self._lock:
+            batch = self.tokenizer(
+                [prompt],
+                padding="max_length",
+                truncation=True,
+                max_length=self.max_length,
+                add_special_tokens=True,
+                return_attention_mask=True,
+                return_tensors="pt",
+            )
         return batch["input_ids"], batch["attention_mask"]
+
+    def tokens_past_limit(self, prompt: str) -> tuple[int, int]:
+        """(tokens the cleaned prompt has with its end token, how many of them truncation drops)."""
+        with self._lock:
+            count = len(self.tokenizer(prompt, add_special_tokens=True, truncation=False)["input_ids"])
+        return count, max(count - self.max_length, 0)
 
     def encode(self, prompt: str) -> torch.Tensor:
         """[1, max_length, d_model] float32 on the model's device; padded positions are exactly zero."""
@@ -163,8 +176,7 @@ def build_embedded_text_encoder(text_cfg: TextConfig, seed: int, dtype: torch.dt
     tokenizer = build_embedded_tokenizer()
     model = build_embedded_umt5(text_cfg, len(tokenizer), seed)
     model = model.to(device=device, dtype=dtype)
-    return TextEncoder(tokenizer=tokenizer, model=model, max_length=text_cfg.max_length,
-                       max_prompt_chars=text_cfg.max_prompt_chars)
+    return TextEncoder(tokenizer=tokenizer, model=model, max_length=text_cfg.max_length)
 
 
 def build_embedded_umt5(text_cfg: TextConfig, vocab_size: int, seed: int) -> UMT5EncoderModel:
@@ -178,5 +190,5 @@ def build_embedded_umt5(text_cfg: TextConfig, vocab_size: int, seed: int) -> UMT
     return model
 
 
-__all__ = ["PromptError", "TextEncoder", "normalize_prompt", "build_embedded_tokenizer",
+__all__ = ["PromptError", "TextEncoder", "clean_prompt", "build_embedded_tokenizer",
            "build_embedded_umt5", "build_embedded_text_encoder", "embedded_umt5_config", "init_umt5_weights"]

@@ -162,6 +162,10 @@ class RemoteEngine:
     def model_config(self) -> ModelConfig:
         return self._model_config
 
+    def prompt_notice(self, prompt: str) -> str | None:
+        """None: the remote server holds the tokenizer, and cuts a prompt past its limit as upstream does."""
+        return None
+
     @property
     def capacity(self) -> int:
         return self.pool.capacity

@@ -27,7 +27,7 @@ import math
 from collections import deque
 
 from ..events import Event, KeyStateEvent, ScriptEvent
-from ..model.text import normalize_prompt
+from ..model.text import clean_prompt
 from ..user_text import check_text
 from .actions import tokens_to_keys
 from .protocol import (INVALID_EVENT, MAX_SCRIPT_FRAMES, CameraActions, CameraScript, CameraState, CompositeInput,
@@ -77,12 +77,12 @@ class InboundEvents:
         return len(events)
 
     def _prompt(self, text: object) -> str:
-        """The engine refuses a prompt it cannot clean; checked here so a composite is refused whole."""
+        """The prompt cleaned, here at the protocol's boundary (the engine takes it as it is); one it cannot
+        clean is refused here, so a composite is refused whole."""
         try:
-            normalize_prompt(check_text(text, "the prompt"), self.max_prompt_chars)
+            return clean_prompt(check_text(text, "the prompt"), self.max_prompt_chars)
         except (ValueError, TypeError) as exc:  # PromptError is a ValueError
             raise ProtocolError(INVALID_EVENT, str(exc)) from None
-        return text
 
     def _camera(self, actions: CameraActions | None, prompt: str | None) -> list[Event]:
         """The engine events of one camera input (and a prompt riding on the first), ids not yet spent."""

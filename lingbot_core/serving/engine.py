@@ -308,6 +308,11 @@ class Engine:
         """The model's config (frame size, rate, block length), as every backend gives it."""
         return self.pipeline.config
 
+    def prompt_notice(self, prompt: str) -> str | None:
+        """What the model will not read of a cleaned prompt (past its token limit), in words; None when it reads
+        all of it. Tokenizer work, no PyTorch kernel: any thread may ask."""
+        return self.pipeline.prompt_notice(prompt)
+
     # The plan's figures, by their names in stats() and the tests.
     footprint = property(lambda self: self.memory.footprint)
     block_reserve = property(lambda self: self.memory.block_reserve)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..condition_cache import ConditionCache
-from ..events import Event, EventError, ScriptEvent, accept_event
+from ..events import Event, EventError, ScriptEvent, accept_event, block_keys
 from ..image import image_digest
 from ..kv_cache import KVPagePool
 from ..pages import PageAllocator
@@ -216,24 +216,22 @@ class Session:
     def _plan(self) -> _Plan:
         """This block's control from the queue (caller holds the lock); the queue itself is not changed.
 
-        Held-key events fold into one key state: a key stays held until an event releases it, and a key
-        pressed and released between two blocks still acts on the block's first frame. A script event
-        ends the block's input: it gives the block's frames (plus any held keys), and later events wait.
+        Key-state events reduce as upstream's reducer does (events.block_keys): the last state holds, and the
+        last non-empty state, when it differs, is the first frame's one pulse. A script event ends the
+        block's input: it gives the block's frames (plus the keys held by then), and later events wait.
         """
         frames_per_block = self.pipeline.config.transformer.num_frames_per_block
-        held, tapped, prompt, ids = self.held_keys, frozenset(), None, []
-        frames = None
+        snapshots, prompt, ids, script = [], None, [], None
         for event in self.queue:
             ids.append(event.event_id)
             prompt = event.prompt if event.prompt is not None else prompt
             if isinstance(event, ScriptEvent):
-                frames = tuple(keys | held for keys in event.frames)
-                frames = (frames[0] | tapped,) + frames[1:]
+                script = event
                 break
-            tapped |= event.keys - held
-            held = event.keys
-        if frames is None:
-            frames = (held | tapped,) + (held,) * (frames_per_block - 1)
+            snapshots.append(event.keys)
+        frames, held = block_keys(self.held_keys, snapshots, frames_per_block)
+        if script is not None:
+            frames = tuple(keys | held for keys in script.frames)
         return _Plan(BlockControl(actions=frames, prompt=prompt), len(ids), held, tuple(ids))
 
     # -- the block ---------------------------------------------------------------------------------

@@ -360,7 +360,9 @@ class LiveService:
 
             record = await self._call(self._register, session_id, viewer)
             claim.record = record
-            yield StreamUpdate(None, "starting: the first block is on its way", record.session_id)
+            notice = self.engine.prompt_notice(request.prompt)
+            yield StreamUpdate(None, "starting: the first block is on its way" + (f" ({notice})" if notice else ""),
+                               record.session_id)
             async for update in self._blocks(record, watch):
                 yield update
         finally:
@@ -586,7 +588,8 @@ class LiveService:
         """Post one event or a list of them to a live session, in order."""
         record = self._record(session_id, viewer)
         try:
-            items = parse_actions(events, self.model_config.transformer.num_frames_per_block)
+            items = parse_actions(events, self.model_config.transformer.num_frames_per_block,
+                                  self.model_config.text.max_prompt_chars)
         except EventError as exc:
             raise StreamError(str(exc)) from None
         for number, event in enumerate(items):
@@ -601,7 +604,8 @@ class LiveService:
             except UnknownSession as exc:
                 raise StreamError(f"session {record.session_id} is not running "
                                   f"({exc.reason or 'it was closed'}); press Start") from None
-        return f"queued {len(items)} event(s)"
+        notices = [n for n in (self.engine.prompt_notice(e.prompt) for e in items if e.prompt is not None) if n]
+        return f"queued {len(items)} event(s)" + (f"; {notices[-1]}" if notices else "")
 
     def report_playhead(self, session_id: str, playhead_s, viewer: str | None = None, stalls=None) -> None:
         """The player's currentTime, reported while it plays; the stream paces to it. stalls: how many times
@@ -638,7 +642,8 @@ class LiveService:
             self.engine.reset(record.session_id, request)
         except UnknownSession:
             raise StreamError("the session is not running; press Start") from None
-        return f"reset: a new world from seed {request.seed}"
+        notice = self.engine.prompt_notice(request.prompt)
+        return f"reset: a new world from seed {request.seed}" + (f"; {notice}" if notice else "")
 
     def download(self, session_id: str, viewer: str | None = None) -> tuple[Path, Path]:
         """The current world so far (or as it ended) as one MP4, and its replay JSON cut to the same blocks.
