@@ -51,20 +51,17 @@ from PIL import Image
 from gradio.utils import get_upload_folder
 
 from lingbot_core.config import EMBEDDED
-from lingbot_core.events import EventError, read_events, read_events_file
 from lingbot_core.example_folder import ExampleFolderError, example_from_files
-from lingbot_core.generate import (RenderRequest, controls_from_events, describe_plan, plan_trajectory,
-                                   trajectory_controls)
-from lingbot_core.model import camera
+from lingbot_core.offline import parse_render
 from lingbot_core.allocator import keep_freed_memory
 from lingbot_core.precision import AUTO, DTYPE_CHOICES
-from lingbot_core.remote.backend import RemoteEngine, RemoteRenderFailed, RenderRefused, create_remote_engine
+from lingbot_core.remote.backend import RemoteEngine, create_remote_engine
 from lingbot_core.startup import StartupLog
-from lingbot_core.serving.engine import Engine, EngineConfig
+from lingbot_core.serving.engine import Engine, EngineConfig, RenderFailedError, RenderRefused
 from lingbot_core.serving.factory import create_engine, default_device
 from lingbot_core.requests import parse_start
 from lingbot_core.remote.protocol import GENERATE_PATH
-from lingbot_core.serve import RealtimeServer
+from lingbot_core.serve import RealtimeServer, ServeConfig
 from lingbot_core.serving.streaming import LiveService, StreamConfig, StreamError
 from lingbot_core.video import Recording
 from lingbot_core.workdir import WorkFolder
@@ -156,23 +153,23 @@ PAGE_CSS = """
 
 
 def generate_offline(engine: Engine, image, prompt, seed, script_text, script_file, poses_file, intrinsics_file,
-                     out_dir: Path, trusted_root: Path, max_blocks: int, example_files=None) -> tuple[str, str]:
+                     out_dir: Path, trusted_root: Path, max_blocks: int, example_files=None, owner: str | None = None,
+                     progress=None) -> tuple[str, str]:
     """An action script (JSONL text or file), a poses/intrinsics pair, or an official example folder's files
     dropped together -> one MP4. Raises StreamError.
 
     A folder's image.jpg and prompt.txt replace the image and prompt fields (dropping the folder is the
-    later, explicit choice); a folder without them uses the fields. A trajectory longer than max_blocks
-    is cut to max_blocks, as upstream cuts a trajectory to the requested video; the message says so. The
-    inputs are parsed here, once, into a RenderRequest; the render runs on the engine's model thread.
+    later, explicit choice); a folder without them uses the fields. The inputs are parsed once, whole, before
+    any block (lingbot_core/offline.py, the command's parser): a script past max_blocks is refused, a
+    trajectory is cut to max_blocks as upstream cuts one to the requested video, and the message says so.
+    The blocks are made on the engine's model between live blocks (owner: the client's address, one render
+    each); `progress` hears the render's place in line and its blocks.
     """
     config = engine.model_config
-    frames_per_block = config.transformer.num_frames_per_block
     has_script = bool(script_file) or bool(script_text and script_text.strip())
-    has_trajectory = bool(poses_file) or bool(intrinsics_file)
-    if has_script + has_trajectory + bool(example_files) != 1:
+    if has_script + (bool(poses_file) or bool(intrinsics_file)) + bool(example_files) != 1:
         raise StreamError("give one of: an action script (text or .jsonl file), a poses.npy + intrinsics.npy pair, "
                           "or an example folder's files, not both")
-    note = ""
     try:
         if example_files:
             folder = example_from_files(example_files)
@@ -181,29 +178,12 @@ def generate_offline(engine: Engine, image, prompt, seed, script_text, script_fi
             prompt = folder.prompt if folder.prompt is not None else prompt
         if image is None:
             raise StreamError("upload a start image first")
-        start = parse_start(image, prompt, seed, config)
-        start_camera = None
-        if has_script:
-            events = read_events_file(script_file, frames_per_block) if script_file else \
-                read_events(script_text, frames_per_block)
-            controls = controls_from_events(events, frames_per_block)
-        else:
-            if not (poses_file and intrinsics_file):
-                raise StreamError("a trajectory needs both poses.npy and intrinsics.npy")
-            poses, intrinsics = camera.load_trajectory(poses_file, intrinsics_file, trusted_root=trusted_root,
-                                                       cfg=config.camera)
-            plan = plan_trajectory(poses, intrinsics, config)
-            if len(plan.blocks) > max_blocks:  # the longest video this server makes is the requested length
-                plan = plan_trajectory(poses, intrinsics, config, max_blocks)
-            controls = trajectory_controls(plan)
-            note = f"; {describe_plan(plan)}"
-            start_camera = camera.CameraState(poses[0])
-    except (EventError, ExampleFolderError, ValueError) as exc:  # also ImageError, PromptError, RequestError, ...
+        request = parse_render(config, image, prompt, seed, script_text=None if script_file else script_text,
+                               script_path=script_file or None, poses_path=poses_file or None,
+                               intrinsics_path=intrinsics_file or None, trusted_root=trusted_root,
+                               max_blocks=max_blocks)
+    except (ExampleFolderError, ValueError) as exc:  # EventError, ImageError, PromptError, TrajectoryError, ...
         raise StreamError(str(exc)) from None
-    if not controls:
-        raise StreamError("the action script holds no events")
-    if len(controls) > max_blocks:
-        raise StreamError(f"this would be {len(controls)} blocks; this server makes at most {max_blocks} per request")
     out_dir.mkdir(parents=True, exist_ok=True)
     # Gradio copies a returned video into its own cache at once, so an older output here is never read again.
     for old in out_dir.glob("lingbot-offline-*.mp4"):
@@ -214,10 +194,11 @@ def generate_offline(engine: Engine, image, prompt, seed, script_text, script_fi
     os.close(handle)  # the writer opens the file by name
     out = Path(name)
     try:
-        blocks = engine.render(RenderRequest(start, tuple(controls), start_camera), out)
-    except (RenderRefused, RemoteRenderFailed) as exc:  # the remote backend's: a clear message, no file left
+        blocks = engine.render(request, out, owner=owner, progress=progress)
+    except (RenderRefused, RenderFailedError) as exc:  # a clear message, no file left
         raise StreamError(str(exc)) from None
     frames = config.pixel_frames_for_blocks(blocks)
+    note = f"; {request.note}" if request.note else ""
     return str(out), f"{blocks} blocks, {frames} frames at {config.fps} FPS ({frames / config.fps:.2f} s){note}"
 
 
@@ -369,7 +350,7 @@ def sweep_old_files(folder: Path, pattern: str, older_than_s: float) -> None:
 
 def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
                workdir: Path | WorkFolder | None = None, offline_max_blocks: int = 64,
-               delete_cache: tuple[int, int] = (600, 3600)) -> DemoApp:
+               delete_cache: tuple[int, int] = (600, 3600), serve_config: ServeConfig = ServeConfig()) -> DemoApp:
     """The page and API over one engine.
 
     workdir: where recordings and offline MP4s go. A WorkFolder (or None: a new one) belongs to the app
@@ -513,18 +494,29 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
             raise _user_error(exc) from None
         return str(mp4), str(replay)
 
-    # The render is queued on the engine's model thread (engine.render). On ZeroGPU the decorated call runs
-    # in a forked GPU worker, where the engine has no worker thread and renders in the calling thread.
+    # The render's blocks are made on the engine's model between live blocks (engine.render). On ZeroGPU the
+    # decorated call runs in a forked GPU worker, where the engine has no worker thread and renders in the
+    # calling thread.
     @spaces.GPU(duration=300)
-    def generate_on_gpu(image, prompt, seed, script_text, script_file, poses_file, intrinsics_file, example_files):
+    def generate_on_gpu(image, prompt, seed, script_text, script_file, poses_file, intrinsics_file, example_files,
+                        owner, progress):
         return generate_offline(engine, image, prompt, seed, script_text, script_file, poses_file,
                                 intrinsics_file, workdir / "offline", Path(get_upload_folder()), offline_max_blocks,
-                                example_files)
+                                example_files, owner, progress)
 
-    def generate(image, prompt, seed, script_text, script_file, poses_file, intrinsics_file, example_files=None):
+    def generate(image, prompt, seed, script_text, script_file, poses_file, intrinsics_file, example_files=None,
+                 request: gr.Request = None, progress=gr.Progress()):
+        owner = getattr(request.client, "host", None) if request is not None else None
+
+        def tell(state):  # the visitor's place in line, then each block made
+            if state.position:
+                progress(0.0, desc=state.describe())
+            else:
+                progress((state.blocks_done, state.blocks_total), desc=state.describe(), unit="blocks")
+
         try:
             return generate_on_gpu(image, prompt, seed, script_text, script_file, poses_file, intrinsics_file,
-                                   example_files)
+                                   example_files, owner, tell)
         except StreamError as exc:
             raise _user_error(exc) from None
 
@@ -633,12 +625,13 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
         download_button.click(download, [session_box], [mp4_file, replay_file], api_name="download")
         generate_button.click(generate, [off_image, off_prompt, off_seed, script, script_file, poses, intrinsics,
                                          example_files],
-                              [off_video, off_message], api_name="generate", concurrency_limit=1)
+                              [off_video, off_message], api_name="generate",
+                              concurrency_limit=engine.config.renders.max_renders)  # the render line bounds and orders them
         gr.api(act, api_name="act", concurrency_limit=1, concurrency_id="act")
         gr.api(stop, api_name="stop")
         demo.unload(close_tab)
     # The protocol is served over a local engine only: with remote servers, their own endpoints serve it.
-    realtime = RealtimeServer(engine) if isinstance(engine, Engine) else None
+    realtime = RealtimeServer(engine, serve_config, gate=service.gate) if isinstance(engine, Engine) else None
     return DemoApp(demo, service, owned, renderer, realtime)
 
 
@@ -704,7 +697,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", help="default $GRADIO_SERVER_NAME or 127.0.0.1")
     parser.add_argument("--port", type=int, help="default $GRADIO_SERVER_PORT or 7860")
     parser.add_argument("--max-per-address", type=int, default=StreamConfig.max_streams_per_address,
-                        help="worlds or places in line one client IP address may hold at once")
+                        help="worlds or places in line one client IP address may hold at once (page and protocol "
+                             "together)")
+    parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                        help="a browser page origin that may use the realtime protocol's WebSocket besides this "
+                             "page's own; '*' for any (repeatable)")
     args = parser.parse_args(argv)
     if args.backend not in BACKENDS:  # argparse checks a given value, not a default from the environment
         parser.error(f"LINGBOT_BACKEND must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
@@ -739,7 +736,8 @@ def main(argv: list[str] | None = None) -> None:
                                                           idle_ttl_s=args.idle_ttl))
     with log.stage("build the page"):
         app = build_demo(engine, stream_config=StreamConfig(max_streams_per_address=args.max_per_address),
-                         offline_max_blocks=args.offline_max_blocks, workdir=workdir)
+                         offline_max_blocks=args.offline_max_blocks, workdir=workdir,
+                         serve_config=ServeConfig(allowed_origins=tuple(args.allow_origin)))
     try:
         _, url, _ = app.launch(server_name=args.host, server_port=args.port, prevent_thread_lock=True)
         protocol = (f"; SGLang's realtime protocol at {url.replace('http', 'ws', 1).rstrip('/')}{GENERATE_PATH}"

@@ -156,14 +156,19 @@ def parse_actions(events: str | dict | list, frames_per_block: int,
     return [parse_event(raw, frames_per_block, max_prompt_chars) for raw in events]
 
 
-def read_events(text: str, frames_per_block: int) -> list[Event]:
-    """Parse a JSONL action script; blank lines are skipped, ids must increase strictly."""
+def read_events(text: str, frames_per_block: int, max_prompt_chars: int = MAX_PROMPT_CHARS,
+                max_events: int | None = None) -> list[Event]:
+    """Parse a JSONL action script; blank lines are skipped, ids must increase strictly. With `max_events`, a
+    script of more events is refused at the first one past it, before the rest is read."""
     events: list[Event] = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(_lines(text), start=1):
         if not line.strip():
             continue
+        if max_events is not None and len(events) >= max_events:
+            raise EventError(f"line {number}: the script holds more than {max_events} events; this server makes at "
+                             f"most {max_events} blocks a request")
         try:
-            event = parse_event_line(line, frames_per_block)
+            event = parse_event_line(line, frames_per_block, max_prompt_chars)
         except EventError as exc:
             raise EventError(f"line {number}: {exc}") from None
         if events and event.event_id <= events[-1].event_id:
@@ -171,6 +176,17 @@ def read_events(text: str, frames_per_block: int) -> list[Event]:
                              f"(previous {events[-1].event_id})")
         events.append(event)
     return events
+
+
+def _lines(text: str):
+    """The lines of `text` one at a time (str.splitlines would split all of a huge script first)."""
+    start = 0
+    while start < len(text):
+        end = text.find("\n", start)
+        if end < 0:
+            end = len(text)
+        yield text[start:end].rstrip("\r")
+        start = end + 1
 
 
 def read_events_file(path: str | Path, frames_per_block: int) -> list[Event]:

@@ -17,96 +17,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
-import numpy as np
 import torch
 
-from .config import ModelConfig
-from .events import KeyStateEvent, ScriptEvent, read_events_file
 from .example_folder import read_example_folder
 from .image import load_image
-from .model import camera
+from .offline import RenderRequest, parse_render, render
 from .precision import AUTO, DTYPE_CHOICES
-from .requests import StartRequest, parse_start
-from .rollout import BlockControl
-from .video import H264Writer, frames_to_uint8
 
-
-def controls_from_events(events: list, frames_per_block: int) -> list[BlockControl]:
-    """A script event is one block; a key-state event holds its keys for one whole block."""
-    controls = []
-    for event in events:
-        if isinstance(event, ScriptEvent):
-            controls.append(BlockControl(actions=event.frames, prompt=event.prompt))
-        elif isinstance(event, KeyStateEvent):
-            controls.append(BlockControl(actions=(event.keys,) * frames_per_block, prompt=event.prompt))
-    return controls
-
-
-def plan_trajectory(poses: np.ndarray, intrinsics: np.ndarray, config: ModelConfig,
-                    num_blocks: int | None = None) -> camera.TrajectoryPlan:
-    """A video-rate trajectory truncated to the blocks it drives and normalised over all of them (as upstream)."""
-    return camera.plan_trajectory(poses, intrinsics, config.transformer.num_frames_per_block,
-                                  config.vae_temporal_factor, num_blocks)
-
-
-def trajectory_controls(plan: camera.TrajectoryPlan) -> list[BlockControl]:
-    """One control per block; every block carries the whole trajectory's scale, so streamed == one-shot."""
-    return [BlockControl(poses=block.poses, intrinsics=block.intrinsics, translation_scale=plan.translation_scale)
-            for block in plan.blocks]
-
-
-def controls_from_trajectory(poses: np.ndarray, intrinsics: np.ndarray, config: ModelConfig,
-                             num_blocks: int | None = None) -> list[BlockControl]:
-    return trajectory_controls(plan_trajectory(poses, intrinsics, config, num_blocks))
-
-
-def describe_plan(plan: camera.TrajectoryPlan) -> str:
-    """What the video takes from the trajectory file, in words."""
-    total = plan.frames_used + plan.frames_dropped
-    return (f"trajectory: {plan.frames_used} of its {total} frames used for {len(plan.blocks)} blocks, "
-            f"{plan.frames_dropped} dropped")
-
-
-@dataclass(frozen=True)
-class RenderRequest:
-    """One offline video, parsed at the boundary (the command line, the app's offline tab)."""
-
-    start: StartRequest
-    controls: tuple[BlockControl, ...]  # one a block: key sets from a script, or a trajectory's poses
-    start_camera: camera.CameraState | None = None  # a trajectory's first pose (None: the key integrator's start)
-
-
-def render(pipeline, request: RenderRequest, out_path: Path, latents_out: Path | None = None) -> int:
-    """The one offline render, shared by the command and the app (which queues it on its model thread):
-    the rollout of `request` encoded into an MP4 as it is made. Returns the number of blocks."""
-    outputs = pipeline.rollout_request(request.start, request.controls, start_camera=request.start_camera)
-    return write_rollout(outputs, out_path, pipeline.config, latents_out)
-
-
-def write_rollout(outputs: Iterator, out_path: Path, config: ModelConfig, latents_out: Path | None = None) -> int:
-    """Stream block outputs into an MP4; returns the number of blocks written."""
-    writer = H264Writer(out_path, width=config.width, height=config.height, fps=config.fps)
-    latents, blocks, finished = [], 0, False
-    try:
-        for output in outputs:
-            writer.write(frames_to_uint8(output.frames))
-            if latents_out is not None:
-                latents.append(output.latents.float().cpu())
-            blocks += 1
-            print(f"block {output.block_index}: " + ", ".join(f"{k} {v:.0f} ms" for k, v in output.stage_ms.items()),
-                  file=sys.stderr)
-        finished = True
-    finally:
-        writer.close()
-        if not finished:  # a failed run (bad prompt, a block that raised) leaves no truncated video behind
-            out_path.unlink(missing_ok=True)
-    if latents_out is not None:
-        torch.save(torch.cat(latents, dim=2), latents_out)
-    return blocks
+__all__ = ["RenderRequest", "main", "render"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,28 +83,22 @@ def main(argv: list[str] | None = None) -> int:
                                  + "; give " + ("--image" if image_path is None else "--prompt"))
         # The image is decoded and checked before the model loads and before the output file is created.
         image = load_image(image_path)
+        root = None
+        if poses_path is not None:
+            poses_path, intrinsics_path = Path(poses_path).absolute(), Path(intrinsics_path).absolute()
+            # The files are trusted where the user pointed: their common folder is the root they must stay under.
+            root = Path(os.path.commonpath([str(poses_path.parent), str(intrinsics_path.parent)]))
         log = StartupLog()
         log.note(f"starting: torch {torch.__version__}, {torch.get_num_threads()} threads, "
                  f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {keep_freed_memory()}")
         pipe = load_pipeline(args.model, dtype=args.dtype, device=args.device, compile=args.compile,
                              allow_download=args.allow_download, height=args.height, width=args.width, log=log)
-        frames_per_block = pipe.config.transformer.num_frames_per_block
-        start_camera = None
-        if args.events is not None:
-            controls = controls_from_events(read_events_file(args.events, frames_per_block), frames_per_block)
-        else:
-            poses_path, intrinsics_path = Path(poses_path).absolute(), Path(intrinsics_path).absolute()
-            # The files are trusted where the user pointed: their common folder is the root they must stay under.
-            root = Path(os.path.commonpath([str(poses_path.parent), str(intrinsics_path.parent)]))
-            poses, intrinsics = camera.load_trajectory(poses_path, intrinsics_path, trusted_root=root,
-                                                       cfg=pipe.config.camera)
-            plan = plan_trajectory(poses, intrinsics, pipe.config, args.blocks)
-            print(describe_plan(plan))
-            controls = trajectory_controls(plan)
-            start_camera = camera.CameraState(poses[0])
-        if not controls:
-            parser.error("the events file holds no events")
-        request = RenderRequest(parse_start(image, prompt, args.seed, pipe.config), tuple(controls), start_camera)
+        # The one offline parse (lingbot_core/offline.py), as the app's Offline tab parses: no bound on length.
+        request = parse_render(pipe.config, image, prompt, args.seed, script_path=args.events,
+                               poses_path=poses_path, intrinsics_path=intrinsics_path, trusted_root=root,
+                               num_blocks=args.blocks)
+        if request.note:
+            print(request.note)
         blocks = render(pipe, request, Path(args.out), Path(args.latents_out) if args.latents_out else None)
     except ValueError as exc:  # every input error is a ValueError subclass with a readable message
         print(f"error: {exc}", file=sys.stderr)

@@ -29,6 +29,14 @@ by bytes (upstream refuses a second). A connection:
   closes 1000 (idle TTL, eviction), 1001 (the server shuts down) or 1011 (the world could not start).
 Every engine call that may block runs on a thread pool, never on the event loop.
 
+Limits (the page's, applied to the protocol; `ServeConfig` and `serving/clients.py`): a browser page of another
+origin may not connect (same origin by default: a page on the open web must not take a local user's seats;
+`--allow-origin`); at most `max_connections` connections are open, and one address holds at most as many
+connections as it may hold worlds on the page (`--max-per-address`), counted together with its page streams;
+a connection has `init_timeout_s` to send a valid init; its start picture is decoded in the page's decode
+slots; its events are limited to `events_per_s` (bursts of `event_burst`), the rest dropped with one error a
+second; a state map holds at most `MAX_TRANSITIONS` transitions. No exception text of ours crosses the wire.
+
 chunk_stats: scheduler_forward_ms is the engine's block time; request_prepare_ms the init's picture
 parse and admission (chunk 0) or the feeding of input since the last chunk; pace_wait_ms the wait that
 `realtime_output_pacing` adds so chunks are not sent faster than they play; raw_payload_build_ms the
@@ -70,6 +78,7 @@ from .remote.protocol import (CLOSE_NORMAL, CLOSE_POLICY, GENERATE_LOOP_ERROR, G
                               FrameBatch, InitRequest, ProtocolError, decode_event, decode_init,
                               encode_server_message, error_message)
 from .requests import StartRequest, parse_start
+from .serving.clients import ClientGate, ClientLimits, LimitReached
 from .serving.engine import (Admission, AdmissionRefused, Block, Closed, Engine, Failed, UnknownSession,
                              Waiting)
 
@@ -78,22 +87,46 @@ log = logging.getLogger(__name__)
 CAPACITY_EXHAUSTED = "CAPACITY_EXHAUSTED"  # the fork's refusal reason, sent when the engine's line is full
 CLOSE_GOING_AWAY = 1001  # the server shuts down
 CLOSE_INTERNAL = 1011  # a fault of ours
+CLOSE_TRY_AGAIN = 1013  # too many connections now
 SHUTDOWN_REASON = "server shutting down"  # the engine's close reasons (Engine.shutdown, its LRU eviction)
 EVICTED_REASON = "evicted after idling"
+# SIGTERM ends the server within this: connections still open then (a client that never sends, a handshake
+# still waiting) are cut rather than waited for.
+SHUTDOWN_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
 class ServeConfig:
     poll_s: float = 0.5  # how long one engine wait lasts on its thread before the connection looks again
     workers: int = 64  # threads for engine calls and frame encoding, shared by every connection
+    max_connections: int = 64  # connections open at once, every client together
+    init_timeout_s: float = 10.0  # a connection without a valid init by then is closed (vLLM-Omni's 10 s to start)
+    events_per_s: float = 50.0  # a connection's event rate (the web UI resends its state ten times a second)
+    event_burst: int = 100  # events a connection may send at once above that rate
+    # Origins of browser pages that may connect besides the server's own ("*": any). Clients that send no
+    # Origin (scripts, other servers) are not browsers and are let in.
+    allowed_origins: tuple[str, ...] = ()
+
+
+def origin_allowed(origin: str | None, host: str | None, allowed: tuple[str, ...]) -> bool:
+    """Same origin, or one the server allows: a browser page of another site must not use a local server."""
+    if origin is None or "*" in allowed or origin in allowed:
+        return True
+    netloc = origin.split("://", 1)[-1].rstrip("/")
+    return host is not None and netloc.lower() == host.lower()
 
 
 class RealtimeServer:
     """The protocol over one engine; `routes()` are Starlette routes for any Starlette or FastAPI app."""
 
-    def __init__(self, engine: Engine, config: ServeConfig = ServeConfig(), model_id: str | None = None) -> None:
+    def __init__(self, engine: Engine, config: ServeConfig = ServeConfig(), model_id: str | None = None,
+                 gate: ClientGate | None = None) -> None:
+        """gate: what each client may hold, shared with the page's streams when the app serves both (None: a gate
+        of this server's own, with the page's default limits)."""
         self.engine = engine
         self.config = config
+        self.gate = gate or ClientGate(ClientLimits())
+        self.open_connections = 0  # on the event loop only
         model = engine.model_config
         # The id is the loaded model's config name (e.g. "tiny", the embedded model's name, or a checkpoint
         # folder's name): stable for one model, and what the page's header shows.
@@ -111,7 +144,25 @@ class RealtimeServer:
             "root": self.model_id, "width": model.width, "height": model.height, "fps": model.fps}]})
 
     async def generate(self, websocket: WebSocket) -> None:
-        await _Connection(self, websocket).run()
+        if not origin_allowed(websocket.headers.get("origin"), websocket.headers.get("host"),
+                              self.config.allowed_origins):
+            log.info("refused a connection from origin %r", websocket.headers.get("origin"))
+            await websocket.close(code=CLOSE_POLICY)  # before the handshake completes: an HTTP 403
+            return
+        if self.open_connections >= self.config.max_connections:
+            await websocket.accept()
+            with contextlib.suppress(Exception):
+                (data,) = encode_server_message(ErrorMessage(
+                    CAPACITY_EXHAUSTED, f"{self.open_connections} connections are open, the most this server "
+                                        "takes; try again in a minute"))
+                await websocket.send_bytes(data)
+                await websocket.close(CLOSE_TRY_AGAIN, "too many connections")
+            return
+        self.open_connections += 1
+        try:
+            await _Connection(self, websocket).run()
+        finally:
+            self.open_connections -= 1
 
     async def call(self, fn: Callable[..., Any], *args) -> Any:
         """A blocking call (engine locks, model-thread jobs, encoding) on the pool, off the event loop."""
@@ -167,7 +218,14 @@ class _Connection:
         await self.ws.accept()
         code, reason = CLOSE_NORMAL, ""
         tasks: list[asyncio.Task] = []
+        claim = None
         try:
+            client = self.ws.client
+            try:  # a connection counts against its address from the start, as a page stream does
+                claim = self.server.gate.claim(None, client.host if client is not None else None)
+            except LimitReached as exc:
+                await self._send_error(ErrorMessage(CAPACITY_EXHAUSTED, str(exc)))
+                raise _Ended(CLOSE_POLICY, CAPACITY_EXHAUSTED) from None
             started = await self._handshake()
             if started is None:
                 return
@@ -189,13 +247,15 @@ class _Connection:
             code, reason = ended.code, ended.reason
         except WebSocketDisconnect:  # a write found the client gone
             self.end_reason = "the client disconnected"
-        except Exception as exc:  # a fault of ours: the client hears of it, the server goes on
+        except Exception as exc:  # a fault of ours: the client hears that it was ours (not its text), the server goes on
             log.exception("realtime connection failed")
             code, reason = CLOSE_INTERNAL, "internal error"
             self.end_reason = f"the server failed: {type(exc).__name__}"
             with contextlib.suppress(Exception):
-                await self._send_error(ErrorMessage(f"{GENERATE_LOOP_ERROR}{type(exc).__name__}: {exc}"))
+                await self._send_error(ErrorMessage(f"{GENERATE_LOOP_ERROR}an internal error of the server"))
         finally:
+            if claim is not None:
+                self.server.gate.release(claim)
             for task in tasks:  # this handler itself cancelled (the server stopping): its tasks go too
                 task.cancel()
             if self.session_id is not None:  # a session or a place in line; idempotent
@@ -207,9 +267,16 @@ class _Connection:
                     await self.ws.close(code, reason.encode()[:123].decode(errors="ignore"))
 
     async def _handshake(self) -> tuple[InitRequest, StartRequest, float] | None:
-        """Until a valid init: (it, its StartRequest, parse ms); None if the client left first."""
+        """Until a valid init: (it, its StartRequest, parse ms); None if the client left first. A client that
+        sends none within init_timeout_s is told so and closed."""
+        deadline = time.monotonic() + self.server.config.init_timeout_s
         while True:
-            data = await self._next_message()
+            try:
+                data = await asyncio.wait_for(self._next_message(), max(deadline - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                timeout = self.server.config.init_timeout_s
+                await self._send_error(ErrorMessage(INVALID_REQUEST, f"no valid init within {timeout:g} s"))
+                raise _Ended(CLOSE_POLICY, "no init") from None
             if data is None:
                 return None
             started = time.perf_counter()
@@ -241,8 +308,8 @@ class _Connection:
                 picture = base64.b64decode(body, validate=True)
             except (binascii.Error, ValueError):
                 raise ProtocolError(INVALID_REQUEST, "first_frame's data URL is not valid base64") from None
-        try:
-            request = parse_start(picture, init.prompt, init.seed, self.model)
+        try:  # in the decode slots the page's starts use: a burst of large pictures queues, never piles up
+            request = self.server.gate.decode(parse_start, picture, init.prompt, init.seed, self.model)
         except ValueError as exc:  # ImageError, PromptError, RequestError: their messages name the problem
             raise ProtocolError(INVALID_REQUEST, str(exc)) from None
         camera = (init.condition_inputs or {}).get("camera_actions")
@@ -282,11 +349,25 @@ class _Connection:
         return message["bytes"] if message.get("bytes") is not None else message.get("text")
 
     async def _receive(self) -> None:
-        """Events until the client leaves; an invalid one is answered and skipped."""
+        """Events until the client leaves; an invalid one is answered and skipped, and events past the
+        connection's rate are dropped, with one error a second saying so."""
+        config = self.server.config
+        tokens, refilled, told = float(config.event_burst), time.monotonic(), 0.0
         while True:
             data = await self._next_message()
             if data is None:
                 return
+            now = time.monotonic()
+            tokens = min(float(config.event_burst), tokens + (now - refilled) * config.events_per_s)
+            refilled = now
+            if tokens < 1.0:
+                if now - told >= 1.0:
+                    told = now
+                    await self._send_error(ErrorMessage(INVALID_EVENT, f"too many events: at most "
+                                                                       f"{config.events_per_s:g} a second; the "
+                                                                       "events past it are dropped"))
+                continue
+            tokens -= 1.0
             try:
                 self.inbound.add(decode_event(data))
             except ProtocolError as exc:
@@ -469,6 +550,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting,
                         help="connections that wait in line for a seat; 0 refuses at once (1008 CAPACITY_EXHAUSTED), "
                              "as upstream refuses a second session, so a pool of these servers sees busy seats")
+    parser.add_argument("--max-per-address", type=int, default=ClientLimits.max_per_address,
+                        help="connections one client IP address may hold at once (a front app's pool may need more)")
+    parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                        help="a browser page origin that may connect besides the server's own, e.g. "
+                             "https://example.org; '*' for any (repeatable)")
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -479,11 +565,13 @@ def main(argv: list[str] | None = None) -> None:
     engine = create_engine(args.model, device=device, dtype=args.dtype, compile=args.compile, log=log_startup,
                            engine_config=EngineConfig(memory_budget_bytes=budget, idle_ttl_s=args.idle_ttl,
                                                       max_sessions=max_sessions, max_waiting=args.max_waiting))
-    server = RealtimeServer(engine)
+    server = RealtimeServer(engine, ServeConfig(allowed_origins=tuple(args.allow_origin)),
+                            gate=ClientGate(ClientLimits(max_per_address=args.max_per_address)))
     # No per-message deflate: frames do not shrink and a raw chunk is megabytes. An init carries the picture,
     # so incoming messages may be as large as the largest picture accepted.
     config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level="warning",
-                            ws_per_message_deflate=False, ws_max_size=MAX_IMAGE_BYTES + 2**20)
+                            ws_per_message_deflate=False, ws_max_size=MAX_IMAGE_BYTES + 2**20,
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     uvicorn_server = uvicorn.Server(config)
 
     def announce() -> None:

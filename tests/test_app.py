@@ -27,7 +27,7 @@ from app_driver import FOREST, ROOT, VILLAGE, stream_outputs, wait_until  # noqa
 from gradio_client import Client, handle_file  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 from lingbot_core.events import read_events  # noqa: E402
-from lingbot_core.generate import controls_from_events, write_rollout  # noqa: E402
+from lingbot_core.offline import controls_from_events, write_rollout  # noqa: E402
 from lingbot_core.image import fit_image, image_digest, load_image  # noqa: E402
 from lingbot_core.rollout import BlockControl  # noqa: E402
 from lingbot_core.serving.engine import EngineConfig  # noqa: E402
@@ -294,7 +294,7 @@ def test_generate_from_trajectory_and_bad_requests(server, tmp_path):
         (("", None, None, None), "not both"),
         (('{"event_id": 0, "keys": ["w"]}\n{"event_id": 0, "keys": []}', None, None, None), "does not increase"),
         (('{"event_id": 0, "frames": [["w"]]}', None, None, None), "list of 3 key lists"),
-        ((too_long, None, None, None), "at most 16 per request"),
+        ((too_long, None, None, None), "line 17: the script holds more than 16 events; this server makes at most 16"),
     ]
     for (text, file, p, k), message in cases:
         with pytest.raises(AppError, match=message):

@@ -626,8 +626,9 @@ def test_paths_outside_root_refused(root, tmp_path):
     outside = tmp_path / "poses.npy"
     write_npy(outside, GOOD_P)
     for path in (outside, "../poses.npy", root / "traj" / ".." / ".." / "poses.npy"):
-        with pytest.raises(TrajectoryError, match="outside the trusted root"):
+        with pytest.raises(TrajectoryError, match="outside the folder files are taken from") as caught:
             load_trajectory(path, "traj/intrinsics.npy", root)
+        assert str(tmp_path) not in str(caught.value)  # a server's folders are not told to its visitors
     with pytest.raises(TrajectoryError, match="cannot be read"):
         load_trajectory("traj/missing.npy", "traj/intrinsics.npy", root)
     with pytest.raises(TrajectoryError, match="not a regular file"):
@@ -740,3 +741,29 @@ def test_the_rigid_inverse_equals_the_general_one_on_moving_paths():
     from lingbot_core.model import camera
     np.testing.assert_allclose(camera._relative_to(poses[0], poses), np.linalg.inv(poses[0]) @ poses, atol=1e-9)
     np.testing.assert_allclose(camera._steps(poses), np.linalg.inv(poses[:-1]) @ poses[1:], atol=1e-9)
+
+
+def test_error_messages_name_files_without_their_folders(root):
+    """Hardening 2 (minor): an NPY error quotes the file's name, never the server path it was stored under."""
+    deep = root / ("x" * 40) / ("y" * 40)
+    deep.mkdir(parents=True)
+    write_npy(deep / "poses.npy", GOOD_P[:, :3])  # a wrong shape
+    write_npy(deep / "intrinsics.npy", GOOD_K)
+    with pytest.raises(TrajectoryError) as caught:
+        load_trajectory(deep / "poses.npy", deep / "intrinsics.npy", root)
+    message = str(caught.value)
+    assert message.startswith("poses.npy: shape") and str(root) not in message and "xxxx" not in message
+
+
+def test_a_long_file_is_cut_before_its_frames_are_checked(root):
+    """Only the frames a video uses are checked: a bad frame after them does not refuse the file (upstream
+    drops those frames), and the file's whole frame count is still told."""
+    poses = np.repeat(GOOD_P[:1], 100, axis=0)
+    poses[90, 0, 0] = np.nan
+    write_npy(root / "p.npy", poses)
+    write_npy(root / "k.npy", reference_intrinsics(CFG, 100))
+    from lingbot_core.model.camera import read_trajectory
+    p, k, frames = read_trajectory("p.npy", "k.npy", root, CFG, max_frames=21)
+    assert p.shape == (21, 4, 4) and k.shape == (21, 4) and frames == 100
+    with pytest.raises(TrajectoryError, match="frame 90 has a non-finite value"):
+        read_trajectory("p.npy", "k.npy", root, CFG)

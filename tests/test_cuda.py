@@ -24,7 +24,7 @@ import torch
 from conftest import WINDOW_CONFIG
 from lingbot_core.config import WAN21_VAE
 from lingbot_core.events import read_events
-from lingbot_core.generate import controls_from_events
+from lingbot_core.offline import controls_from_events
 from lingbot_core.kv_cache import BlockKV, KVPagePool, SessionKV
 from lingbot_core.loading import build_seeded_parts
 from lingbot_core.model.attention import block_causal_mask, context_frames

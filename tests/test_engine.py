@@ -23,7 +23,7 @@ import torch
 
 from lingbot_core.config import WAN21_VAE, tiny_config
 from lingbot_core.events import EventError, read_events
-from lingbot_core.generate import controls_from_events
+from lingbot_core.offline import controls_from_events
 from lingbot_core.loading import build_seeded_parts
 from lingbot_core.pages import PageAllocator
 from lingbot_core.pipeline import Pipeline

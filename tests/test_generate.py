@@ -21,7 +21,8 @@ from PIL import Image
 from lingbot_core.config import tiny_config
 from lingbot_core.events import read_events_file
 from lingbot_core.config import PUBLISHED_KEYS
-from lingbot_core.generate import controls_from_events, main, plan_trajectory, trajectory_controls
+from lingbot_core.generate import main
+from lingbot_core.offline import controls_from_events, plan_trajectory, trajectory_controls
 from lingbot_core.model import camera
 from lingbot_core.pages import PageAllocator
 from lingbot_core.pipeline import load_pipeline

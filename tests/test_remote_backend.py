@@ -21,7 +21,7 @@ from fake_upstream import BUSY_TEXT, FakeUpstream
 from outbox import take
 from lingbot_core.config import tiny_config
 from lingbot_core.events import EventError, KeyStateEvent, ScriptEvent
-from lingbot_core.generate import RenderRequest, controls_from_events
+from lingbot_core.offline import RenderRequest, controls_from_events
 from lingbot_core.model.camera import CameraState
 from lingbot_core.remote.backend import RemoteConfig, RemoteEngine, RenderRefused
 from lingbot_core.remote.pool import ServerPool, ServerState

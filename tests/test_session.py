@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from lingbot_core.config import WAN21_VAE, tiny_config
 from lingbot_core.events import EventError, read_events
-from lingbot_core.generate import controls_from_events
+from lingbot_core.offline import controls_from_events
 from lingbot_core.image import ImageError, fit_image, image_digest, load_image
 from lingbot_core.kv_cache import KVPagePool
 from lingbot_core.loading import build_seeded_parts

@@ -314,29 +314,29 @@ def plucker_block(anchor_pose: np.ndarray, poses: np.ndarray, intrinsics: np.nda
 
 def _resolve_under_root(path: str | os.PathLike, root: Path, root_real: Path) -> Path:
     """The real path of `path`, refusing escapes from `root` and symlinks at or below it."""
-    raw = Path(path)
+    raw, name = Path(path), _file_name(path)
     candidate = Path(os.path.abspath(raw if raw.is_absolute() else root / raw))
     for base in (Path(os.path.abspath(root)), root_real):
         if candidate.is_relative_to(base):
             parts = candidate.relative_to(base).parts
             break
     else:
-        raise TrajectoryError(f"{path}: is outside the trusted root {root}")
+        raise TrajectoryError(f"{name}: is outside the folder files are taken from")
     if not parts:
-        raise TrajectoryError(f"{path}: is the trusted root itself, not a file")
+        raise TrajectoryError(f"{name}: is the folder files are taken from, not a file")
     current = root_real
     for part in parts:
         current = current / part
         try:
             info = os.lstat(current)
         except OSError as exc:
-            raise TrajectoryError(f"{path}: cannot be read ({exc.strerror})") from exc
+            raise TrajectoryError(f"{name}: cannot be read ({exc.strerror})") from exc
         if stat.S_ISLNK(info.st_mode):
-            raise TrajectoryError(f"{path}: {current} is a symlink; symlinks are not allowed")
+            raise TrajectoryError(f"{name}: {_file_name(current)} is a symlink; symlinks are not allowed")
     if not stat.S_ISREG(info.st_mode):
-        raise TrajectoryError(f"{path}: is not a regular file")
+        raise TrajectoryError(f"{name}: is not a regular file")
     if not Path(os.path.realpath(current)).is_relative_to(root_real):  # belt and braces
-        raise TrajectoryError(f"{path}: resolves outside the trusted root {root}")
+        raise TrajectoryError(f"{name}: resolves outside the folder files are taken from")
     return current
 
 
@@ -403,15 +403,37 @@ def load_trajectory(poses_path: str | os.PathLike, intrinsics_path: str | os.Pat
     """Load `poses.npy` [F, 4, 4] (c2w, OpenCV) and `intrinsics.npy` [F, 4] (reference pixels).
 
     Relative paths are taken relative to `trusted_root`. Returns float64 arrays; any problem
-    raises `TrajectoryError` naming the file.
+    raises `TrajectoryError` naming the file (by its name only: a server's folders stay its own).
     """
+    poses, intrinsics, _ = read_trajectory(poses_path, intrinsics_path, trusted_root, cfg)
+    return poses, intrinsics
+
+
+def read_trajectory(poses_path: str | os.PathLike, intrinsics_path: str | os.PathLike,
+                    trusted_root: str | os.PathLike, cfg: CameraConfig = CameraConfig(),
+                    max_frames: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """`load_trajectory` that checks and returns only the first `max_frames` frames (a video of N blocks uses
+    the first 12N - 3; upstream drops the rest), and also the files' frame count."""
     root = Path(trusted_root)
     if not root.is_dir():
-        raise TrajectoryError(f"trusted root {root} is not a directory")
+        raise TrajectoryError("the trusted root is not a directory")
     root_real = Path(os.path.realpath(root))
-    poses = _read_npy(_resolve_under_root(poses_path, root, root_real), str(poses_path), (4, 4), cfg)
-    intrinsics = _read_npy(_resolve_under_root(intrinsics_path, root, root_real), str(intrinsics_path), (4,), cfg)
-    return validate_trajectory(poses, intrinsics, cfg, names=(str(poses_path), str(intrinsics_path)))
+    names = (_file_name(poses_path), _file_name(intrinsics_path))
+    poses = _read_npy(_resolve_under_root(poses_path, root, root_real), names[0], (4, 4), cfg)
+    intrinsics = _read_npy(_resolve_under_root(intrinsics_path, root, root_real), names[1], (4,), cfg)
+    if len(poses) != len(intrinsics):
+        raise TrajectoryError(f"{names[0]} has {len(poses)} frames but {names[1]} has {len(intrinsics)}")
+    frames = len(poses)
+    if max_frames is not None:
+        poses, intrinsics = poses[:max_frames], intrinsics[:max_frames]
+    poses, intrinsics = validate_trajectory(poses, intrinsics, cfg, names=names)
+    return poses, intrinsics, frames
+
+
+def _file_name(path: str | os.PathLike) -> str:
+    """A file named in a message: its name, quoted briefly (never the folders it sits in)."""
+    name = Path(path).name
+    return name if len(name) <= 60 and name.isprintable() else repr(name[:60]) + "..."
 
 
 def validate_trajectory(poses: object, intrinsics: object, cfg: CameraConfig = CameraConfig(),

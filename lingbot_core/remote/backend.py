@@ -49,11 +49,12 @@ from typing import Any, Callable
 
 from ..config import ModelConfig
 from ..events import Event, EventError, KeyStateEvent, accept_event
-from ..generate import RenderRequest
+from ..offline import RenderRequest
 from ..image import image_digest
 from ..requests import StartRequest
 from ..serving.engine import (Admission, AdmissionRefused, Block, Closed, ClosedSessions, EngineConfig, Failed, Message,
-                              NewWorld, Ticket, Waiting)
+                              NewWorld, RenderFailedError, RenderRefused, Ticket, Waiting)
+from ..serving.renders import RenderProgress
 from ..serving.session import Replay, SessionStatus
 from ..video import H264Writer
 from .actions import CameraInput, script_payload, state_payload
@@ -65,11 +66,7 @@ from .protocol import InitRequest
 log = logging.getLogger(__name__)
 
 
-class RenderRefused(ValueError):
-    """An offline render this backend cannot do right (a trajectory, a prompt switch) or cannot seat now."""
-
-
-class RemoteRenderFailed(RuntimeError):
+class RemoteRenderFailed(RenderFailedError):
     """An offline render's server failed or could not be reached (the message names it); no file is left."""
 
 
@@ -583,13 +580,14 @@ class RemoteEngine:
 
     # -- offline render ----------------------------------------------------------------------------
 
-    def render(self, request: RenderRequest, out_path: Path) -> int:
+    def render(self, request: RenderRequest, out_path: Path, owner: str | None = None, progress=None) -> int:
         """An offline video over one free server: the whole script as the init's camera_actions (a script
         queue, one key set per latent frame), max_chunks = its blocks, frames written as they come.
 
         Refused (RenderRefused) for a camera trajectory (the protocol carries keys, not poses), for a script
         that switches the prompt (a prompt event applies at whichever chunk boundary it reaches, so it cannot
-        be tied to a block) and when no server is free."""
+        be tied to a block) and when no server is free. `owner` is not needed: a render holds a server of its
+        own, never a live world's; `progress` hears each block written."""
         if request.start_camera is not None or any(c.poses is not None for c in request.controls):
             raise RenderRefused("the remote servers take keys, not camera trajectories: use an action script, "
                                 "or run the app with the local backend for poses.npy + intrinsics.npy")
@@ -620,6 +618,8 @@ class RemoteEngine:
                                            f"frames; this app plays {config.width}x{config.height}")
                     writer.write(item.frames)
                     written += 1
+                    if progress is not None:
+                        progress(RenderProgress(0, written, len(request.controls)))
             finally:
                 writer.close()
             if item.outcome is not Outcome.COMPLETED or written != len(request.controls):

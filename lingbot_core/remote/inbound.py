@@ -23,6 +23,7 @@ engine ORs them), where upstream's script replaces them while it runs.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 
@@ -85,26 +86,28 @@ class InboundEvents:
             raise ProtocolError(INVALID_EVENT, str(exc)) from None
 
     def _camera(self, actions: CameraActions | None, prompt: str | None) -> list[Event]:
-        """The engine events of one camera input (and a prompt riding on the first), ids not yet spent."""
-        ids = iter(range(self._next_id, self._next_id + MAX_SCRIPT_FRAMES + 2))
+        """The engine events of one camera input (and a prompt riding on the first), ids not yet spent: the
+        next ids from `_next_id` on, one each, whatever the input's length (the protocol bounds it)."""
+        counter = itertools.count(self._next_id)
+        ids = lambda: next(counter)  # noqa: E731  (an unbounded counter: never StopIteration)
         events: list[Event] = []
         if isinstance(actions, CameraScript):
             n = self.frames_per_block
             frames = [tokens_to_keys(frame) for frame in actions.frames]
             frames += [frozenset()] * (-len(frames) % n)  # the reference pads a short script with []
             for start in range(0, len(frames), n):
-                events.append(ScriptEvent(next(ids), tuple(frames[start:start + n]), prompt if not events else None))
+                events.append(ScriptEvent(ids(), tuple(frames[start:start + n]), prompt if not events else None))
         elif isinstance(actions, CameraState):
             held = self.held
             for transition in actions.transitions:
                 keys = tokens_to_keys(transition.actions)
                 if keys != held:
-                    events.append(KeyStateEvent(next(ids), keys, prompt if not events else None))
+                    events.append(KeyStateEvent(ids(), keys, prompt if not events else None))
                     held = keys
             if not events and (prompt is not None or not self._queued_since_chunk):
-                events.append(KeyStateEvent(next(ids), held, prompt))  # a resend: still input, once a chunk
+                events.append(KeyStateEvent(ids(), held, prompt))  # a resend: still input, once a chunk
         elif actions is None:
-            events.append(KeyStateEvent(next(ids), self.held, prompt))
+            events.append(KeyStateEvent(ids(), self.held, prompt))
         else:
             raise ProtocolError(INVALID_EVENT, f"camera_actions of type {type(actions).__name__}")
         return events

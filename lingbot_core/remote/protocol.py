@@ -53,6 +53,9 @@ RAW_CHANNELS = 3
 SPLIT_PAYLOAD_BYTES = 64 * 1024
 # A camera script queue holds at most this many latent frames (the reference's FIFO cap).
 MAX_SCRIPT_FRAMES = 512
+# A state map's transitions in one event: a client sends those since its last event (the web UI, every
+# 100 ms), so even frantic play stays far below this; a map of 10,000 is refused, not processed.
+MAX_TRANSITIONS = 256
 
 EVENT_KINDS = ("prompt", "camera_actions", "composite_input", "heartbeat")
 # composite_input bundles these under one event_id (a composite inside a composite means nothing).
@@ -324,6 +327,9 @@ def parse_camera_actions(value: object, content: str = INVALID_EVENT) -> CameraA
             transitions = value.get("transitions")
             if not isinstance(transitions, list) or not transitions:
                 raise ProtocolError(INVALID_EVENT, "camera_actions state needs a non-empty 'transitions' list")
+            if len(transitions) > MAX_TRANSITIONS:
+                raise ProtocolError(INVALID_EVENT, f"a camera_actions state holds at most {MAX_TRANSITIONS} "
+                                                   f"transitions, got {len(transitions)}")
             parsed = []
             for i, item in enumerate(transitions):
                 if not isinstance(item, dict) or "actions" not in item:

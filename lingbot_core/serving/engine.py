@@ -57,14 +57,16 @@ import torch
 
 from ..condition_cache import ConditionCache
 from ..events import Event
-from ..generate import RenderRequest, render
+from ..offline import RenderRequest
 from ..pipeline import Pipeline
 from ..requests import StartRequest
 from ..startup import StartupLog, maybe_stage
-from ..video import frames_to_uint8
+from ..video import H264Writer, frames_to_uint8
 from ..pages import PageAllocator
 from ..held_bytes import held_bytes
 from .memory import plan_memory
+from .renders import (RenderDone, RenderFailed, RenderJob, RenderLimits, RenderLine, RenderProgress,
+                      RenderRefusedError)
 from .session import Replay, Session, SessionStatus
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,15 @@ T = TypeVar("T")
 
 class AdmissionRefused(RuntimeError):
     """The server cannot take another session now and its waiting line is full."""
+
+
+class RenderRefused(ValueError):
+    """An offline render this backend cannot take now (its line is full, its owner has one in it) or cannot do
+    right (the remote backend: a trajectory, a prompt switch); the message says why."""
+
+
+class RenderFailedError(RuntimeError):
+    """An offline render's block failed (or the server went down); no file is left."""
 
 
 class UnknownSession(KeyError):
@@ -106,6 +117,7 @@ class EngineConfig:
     # Condition streams kept for start pictures no session is reading now (e.g. the example images), so a
     # later session from the same picture skips the encoder warm-up. None: room for 4 streams at their largest.
     condition_cache_bytes: int | None = None
+    renders: RenderLimits = RenderLimits()  # offline renders: the line's bounds and their priority (serving/renders.py)
 
     def __post_init__(self) -> None:
         if self.max_lead_blocks < 1:
@@ -274,6 +286,7 @@ class Engine:
         self._changed = threading.Condition(self._lock)  # outboxes, input, jobs
         self._jobs: deque[tuple[Callable[[], Any], Future]] = deque()  # model work for the worker, in order
         self._prewarm: deque[Any] = deque()  # SharedCondition streams to encode while no session needs the model
+        self._renders = RenderLine(config.renders, clock)  # offline renders, a block at a time below live worlds
         self._stopped = False
         self._worker_running = False  # set and cleared under _lock: whether queued jobs will be run
         self._worker: threading.Thread | None = None
@@ -596,10 +609,125 @@ class Engine:
         with self._lock:
             return self._live_locked(session_id).session.replay
 
-    def render(self, request: RenderRequest, out_path: Path) -> int:
-        """An offline video (lingbot_core/generate.py's render) on the model thread, between two blocks of the
-        live sessions, like every other kernel of this process; its private page pool is its own."""
-        return self._on_model_thread(lambda: render(self.pipeline, request, out_path))
+    # -- offline renders (serving/renders.py) ------------------------------------------------------
+
+    def render(self, request: RenderRequest, out_path: Path, owner: str | None = None,
+               progress: Callable[[RenderProgress], None] | None = None) -> int:
+        """An offline video: its blocks are made on the model between live blocks, below their priority, and
+        written to `out_path` here, on the caller's thread, as they come. Returns the number of blocks.
+
+        owner: who asks (a client address), for the line's per-owner bound; progress: told the render's place
+        in line whenever it changes, then each block made. RenderRefused when the line is full or the owner
+        already has a render in it; RenderFailedError when a block fails (no file is left either way)."""
+        with self._lock:
+            if self._stopped:
+                raise RenderRefused("the server is shutting down")
+            try:
+                job = self._renders.add(request, owner)
+            except RenderRefusedError as exc:
+                raise RenderRefused(str(exc)) from None
+            self._changed.notify_all()
+        config = self.model_config
+        writer = H264Writer(out_path, width=config.width, height=config.height, fps=config.fps)
+        finished, written = False, 0
+        try:
+            while True:
+                item = self._next_render_item(job)
+                if isinstance(item, np.ndarray):
+                    writer.write(item)
+                    written += 1
+                    if progress is not None:
+                        progress(RenderProgress(0, written, job.total))
+                elif isinstance(item, RenderProgress):
+                    if progress is not None:
+                        progress(item)
+                elif isinstance(item, RenderDone):
+                    finished = True
+                    return item.blocks
+                elif isinstance(item, RenderFailed):
+                    raise RenderFailedError(item.text)
+        finally:
+            writer.close()
+            if not finished:
+                out_path.unlink(missing_ok=True)
+                with self._lock:
+                    running = not job.ended
+                if running:  # the caller went away (or failed writing): the render stops and frees its pages
+                    self._on_model_thread(lambda: self._end_render(job, RenderFailed("the render was cancelled")))
+
+    def _worker_alive_locked(self) -> bool:
+        return self._worker_running and self._worker is not None and self._worker.is_alive()
+
+    def _next_render_item(self, job: RenderJob):
+        """The render's next item, waiting for the worker to make it; without a running worker (tests, a
+        ZeroGPU fork) the caller makes its blocks itself."""
+        while True:
+            with self._lock:
+                if job.outbox:
+                    item = job.outbox.popleft()
+                    self._changed.notify_all()  # room for the next block
+                    return item
+                inline = not self._worker_alive_locked()
+                if not inline:
+                    self._changed.wait(self.config.worker_poll_s)
+                    continue
+            self._render_block(force=True)
+
+    def _live_block_due_locked(self, within_s: float) -> bool:
+        """Whether a live session will want the model within `within_s` (a paced start, or one runnable now)."""
+        now = self.clock()
+        return any(self._may_run_locked(live) and live.blocks_waiting < self.config.max_lead_blocks
+                   and live.start_at - now < within_s for live in self._sessions.values())
+
+    def _render_block(self, force: bool = False) -> bool:
+        """One block of the first render in line, if its requester has room for it and no live block is due
+        before it would end (or it has waited its longest: `RenderLimits.max_wait_s`); whether one ran."""
+        with self._step_lock:
+            with self._lock:
+                job = self._renders.runnable()
+                if job is None or self._stopped:
+                    return False
+                if not force and not self._renders.starved(job) and self._live_block_due_locked(self._renders.block_s):
+                    return False
+            started = time.perf_counter()
+            try:
+                if job.outputs is None:  # the first block opens the rollout (its private page pool)
+                    request = job.request
+                    job.outputs = self.pipeline.rollout_request(request.start, request.controls,
+                                                                start_camera=request.start_camera)
+                output = next(job.outputs, None)
+                pixels = None if output is None else frames_to_uint8(output.frames)
+            except Exception as exc:  # the render ends with the reason; live worlds go on
+                log.warning("offline render failed at block %d: %s", job.blocks_done, repr(exc))
+                self._end_render(job, RenderFailed(f"block {job.blocks_done} failed: {type(exc).__name__}: "
+                                                   f"{str(exc)[:300]}"))
+                return True
+            with self._lock:
+                if pixels is not None:
+                    job.outbox.append(pixels)
+                    self._renders.ran(job, time.perf_counter() - started)
+                    self._changed.notify_all()
+                done = pixels is None or job.blocks_done >= job.total
+            if done:
+                self._end_render(job, RenderDone(job.blocks_done))
+            return True
+
+    def _end_render(self, job: RenderJob, final) -> None:
+        """Close the render's rollout (its pages go back) and leave the line; step lock held (or the model
+        thread's job)."""
+        if job.outputs is not None:
+            job.outputs.close()
+            job.outputs = None
+        with self._lock:
+            if job.ended:
+                return
+            job.outbox.append(final)
+            self._renders.remove(job)
+            self._changed.notify_all()
+
+    def render_stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"renders": len(self._renders.jobs), "render_block_s": round(self._renders.block_s, 3)}
 
     # -- condition warm-up -------------------------------------------------------------------------
 
@@ -684,6 +812,9 @@ class Engine:
         wait = self.config.worker_poll_s
         if starts:
             wait = min(wait, max(min(starts) - self.clock(), 0.001))
+        job = self._renders.runnable()
+        if job is not None:  # a render waiting for a gap runs when it has waited its longest
+            wait = min(wait, max(job.waiting_since + self._renders.limits.max_wait_s - self.clock(), 0.001))
         return wait
 
     def _pick_locked(self) -> tuple[str, _Live] | None:
@@ -771,6 +902,8 @@ class Engine:
                 continue
             try:
                 ran = self.run_once()
+                if self._render_block():  # an offline block in the gap a live block left, or one waited too long
+                    continue
             except Exception:  # a bug, not a session failure: keep serving the others
                 log.exception("engine worker iteration failed")
                 ran = None
@@ -793,11 +926,14 @@ class Engine:
     def shutdown(self) -> None:
         """Stop the worker and close every session."""
         self._stop_worker()
-        with self._step_lock, self._lock:
-            for session_id in list(self._sessions):
-                self._close_locked(session_id, "server shutting down")
-            for session_id in list(self._waiting):
-                self.withdraw(session_id, "server shutting down")
+        with self._step_lock:
+            for job in list(self._renders.jobs):
+                self._end_render(job, RenderFailed("the server is shutting down"))
+            with self._lock:
+                for session_id in list(self._sessions):
+                    self._close_locked(session_id, "server shutting down")
+                for session_id in list(self._waiting):
+                    self.withdraw(session_id, "server shutting down")
 
     def __enter__(self) -> "Engine":
         return self

@@ -50,6 +50,7 @@ from .. import requests
 from ..events import EventError, parse_actions
 from ..user_text import quote
 from ..video import Recording
+from .clients import ClientGate, ClientLimits, LimitReached
 from .engine import Admission, AdmissionRefused, Block, Closed, Engine, Failed, NewWorld, UnknownSession, Waiting
 from .session import SessionStatus
 
@@ -259,24 +260,8 @@ def stopped_line(record: _Record) -> str:
 
 
 @dataclass
-class _Claim:
-    """One running stream, counted against its viewer's and its address's limits while it holds a place
-    in line or a live world."""
-
-    viewer: str | None
-    address: str | None
-    record: _Record | None = None  # set once seated
-    released: bool = False
-
-    @property
-    def held(self) -> bool:
-        return not self.released and (self.record is None or self.record.live)
-
-
-@dataclass
 class _Registry:
     records: dict[str, _Record] = field(default_factory=dict)
-    claims: list[_Claim] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -309,7 +294,9 @@ class LiveService:
     """Streams, actions and downloads for every viewer of one engine. Thread-safe; owns no tensors."""
 
     def __init__(self, engine: Engine, recordings_root: Path, config: StreamConfig = StreamConfig(),
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, gate: ClientGate | None = None) -> None:
+        """gate: what each client may hold (serving/clients.py), shared with the realtime protocols' routes of
+        the same server; None: one of its own from the config's limits."""
         self.engine = engine
         self.config = config
         self.clock = clock
@@ -319,7 +306,8 @@ class LiveService:
         self.recordings_root.mkdir(parents=True, exist_ok=True)
         self._registry = _Registry()
         self._executor = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="lingbot-stream")
-        self._decode_gate = threading.BoundedSemaphore(config.decode_slots)
+        self.gate = gate or ClientGate(ClientLimits(config.max_streams_per_viewer, config.max_streams_per_address,
+                                                    config.decode_slots))
 
     # -- the stream --------------------------------------------------------------------------------
 
@@ -332,7 +320,10 @@ class LiveService:
         """
         # The claim comes first, so one client cannot make the server decode many pictures at once; the
         # decode (the costly check) runs on a worker thread, at most `decode_slots` at a time.
-        claim = self._claim(viewer, address)
+        try:
+            claim = self.gate.claim(viewer, address)
+        except LimitReached as exc:
+            raise StreamError(str(exc)) from None
         queued, record = None, None  # queued: the session id while this stream waits in line
         try:
             request = await self._call(self._parse_start, image, prompt, seed)
@@ -359,39 +350,19 @@ class LiveService:
                 queued = None
 
             record = await self._call(self._register, session_id, viewer)
-            claim.record = record
+            claim.alive = lambda: record.live
             notice = self.engine.prompt_notice(request.prompt)
             yield StreamUpdate(None, "starting: the first block is on its way" + (f" ({notice})" if notice else ""),
                                record.session_id)
             async for update in self._blocks(record, watch):
                 yield update
         finally:
-            self._release(claim)
+            self.gate.release(claim)
             if queued is not None:
                 self._background(self.engine.withdraw, queued)
             if record is not None:
                 record.streaming = False
                 self._background(self._end, record, "the stream ended")
-
-    def _claim(self, viewer: str | None, address: str | None) -> _Claim:
-        """Count a new stream against its viewer's and address's limits; StreamError when one is reached."""
-        cfg = self.config
-        with self._registry.lock:
-            held = [c for c in self._registry.claims if c.held]
-            if viewer is not None and sum(c.viewer == viewer for c in held) >= cfg.max_streams_per_viewer:
-                raise StreamError("this page (or API client) already has a world running or waiting for a seat; "
-                                  "press Stop first, or Reset for a new world in the same stream")
-            if address is not None and sum(c.address == address for c in held) >= cfg.max_streams_per_address:
-                raise StreamError(f"your address already holds {cfg.max_streams_per_address} worlds or places in "
-                                  "line, the most one address may hold; stop one first")
-            claim = _Claim(viewer, address)
-            self._registry.claims = [c for c in self._registry.claims if c.held] + [claim]
-        return claim
-
-    def _release(self, claim: _Claim) -> None:
-        with self._registry.lock:
-            claim.released = True
-            self._registry.claims = [c for c in self._registry.claims if c.held]
 
     async def _admit(self, request: requests.StartRequest):
         future = asyncio.ensure_future(self._call(self.engine.admit, request))
@@ -522,11 +493,10 @@ class LiveService:
     def _parse_start(self, image, prompt, seed) -> requests.StartRequest:
         """The start's one parse (requests.parse_start) behind the decode gate: however many clients upload at
         once, at most `decode_slots` pictures are decoded together (each may take ~150 MiB and most of a core)."""
-        with self._decode_gate:
-            try:
-                return requests.parse_start(image, prompt, seed, self.model_config)
-            except ValueError as exc:  # ImageError, PromptError, RequestError: their messages name the problem
-                raise StreamError(str(exc)) from None
+        try:
+            return self.gate.decode(requests.parse_start, image, prompt, seed, self.model_config)
+        except ValueError as exc:  # ImageError, PromptError, RequestError: their messages name the problem
+            raise StreamError(str(exc)) from None
 
     async def _call(self, fn, *args):
         """Run a blocking call (engine locks, encoding) off the event loop."""
