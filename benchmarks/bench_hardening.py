@@ -112,6 +112,17 @@ def main() -> None:
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, model "
           f"{engine.model_config.name} {engine.model_config.width}x{engine.model_config.height}", flush=True)
     picture = str(EXAMPLE)
+    render_times: list[float] = []
+    render_block = engine._render_block
+
+    def timed_render_block(*args, **kwargs):  # how long each render block held the model
+        started = time.perf_counter()
+        ran = render_block(*args, **kwargs)
+        if ran:
+            render_times.append(time.perf_counter() - started)
+        return ran
+
+    engine._render_block = timed_render_block
     viewer = Viewer(engine, parse_start(picture, "a procedural world", 1, engine.model_config))
     try:
         with tempfile.TemporaryDirectory() as folder:
@@ -122,6 +133,9 @@ def main() -> None:
                 return f"render: {blocks} blocks in {time.monotonic() - started:.1f} s"
 
             attack(viewer, f"one {args.render_blocks}-block render", one)
+            print(f"  render blocks: median {1000 * statistics.median(render_times):.0f} ms, longest "
+                  f"{1000 * max(render_times):.0f} ms", flush=True)
+            render_times.clear()
 
             def many():
                 walls = [None] * args.renders
@@ -140,6 +154,8 @@ def main() -> None:
                 return "renders' wall times " + ", ".join(f"{w:.1f} s" for w in walls)
 
             attack(viewer, f"{args.renders} renders of {args.render_blocks // 4} blocks at once", many)
+            print(f"  render blocks: median {1000 * statistics.median(render_times):.0f} ms, longest "
+                  f"{1000 * max(render_times):.0f} ms", flush=True)
     finally:
         viewer.close()
         engine.shutdown()

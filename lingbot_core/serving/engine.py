@@ -679,24 +679,29 @@ class Engine:
         return any(self._may_run_locked(live) and live.blocks_waiting < self.config.max_lead_blocks
                    and live.start_at - now < within_s for live in self._sessions.values())
 
-    def _render_block(self, force: bool = False) -> bool:
+    def _render_block(self, force: bool = False, after_live: bool = False) -> bool:
         """One block of the first render in line, if its requester has room for it and no live block is due
-        before it would end (or it has waited its longest: `RenderLimits.max_wait_s`); whether one ran."""
+        before it would end; whether one ran. A render that has waited its longest (`RenderLimits.max_wait_s`)
+        runs anyway, right after a live block (`after_live`): where the next live block is furthest away."""
         with self._step_lock:
             with self._lock:
                 job = self._renders.runnable()
                 if job is None or self._stopped:
                     return False
-                if not force and not self._renders.starved(job) and self._live_block_due_locked(self._renders.block_s):
+                starved = after_live and self._renders.starved(job)
+                if not force and not starved and self._live_block_due_locked(self._renders.block_s):
                     return False
             started = time.perf_counter()
             try:
-                if job.outputs is None:  # the first block opens the rollout (its private page pool)
+                if job.outputs is None:  # the first block opens the rollout (its private page pool); its condition
+                    # stream is the picture's shared one, warm already when a live world plays the same picture
                     request = job.request
                     job.outputs = self.pipeline.rollout_request(request.start, request.controls,
-                                                                start_camera=request.start_camera)
+                                                                start_camera=request.start_camera,
+                                                                conditions=self.conditions)
                 output = next(job.outputs, None)
                 pixels = None if output is None else frames_to_uint8(output.frames)
+                self.conditions.trim()
             except Exception as exc:  # the render ends with the reason; live worlds go on
                 log.warning("offline render failed at block %d: %s", job.blocks_done, repr(exc))
                 self._end_render(job, RenderFailed(f"block {job.blocks_done} failed: {type(exc).__name__}: "
@@ -902,7 +907,7 @@ class Engine:
                 continue
             try:
                 ran = self.run_once()
-                if self._render_block():  # an offline block in the gap a live block left, or one waited too long
+                if self._render_block(after_live=ran is not None):  # in the gap a live block left
                     continue
             except Exception:  # a bug, not a session failure: keep serving the others
                 log.exception("engine worker iteration failed")
