@@ -18,7 +18,7 @@ endpoints, usable from gradio_client (see examples/client.py):
     /generate(image, prompt, seed, script, script_file, poses, intrinsics, example_files) -> (MP4, message)
                                          example_files: an official example folder's files, dropped together
 
-The same port also serves SGLang's realtime video protocol over the same engine (lingbot_core/serve.py):
+The same port also serves SGLang's realtime video protocol over the same engine (lingbot_core/protocols/sglang/server.py):
 WebSocket /v1/realtime_video/generate and GET /v1/models, so SGLang's clients and web UI can play this model.
 
 Environment: LINGBOT_MODEL (same as --model), LINGBOT_BACKEND (same as --backend), LINGBOT_SGLANG_URLS (comma
@@ -41,36 +41,36 @@ import shutil
 import signal
 import tempfile
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
-import torch
 from PIL import Image
 from gradio.utils import get_upload_folder
 
 from lingbot_core.config import EMBEDDED
-from lingbot_core.example_folder import ExampleFolderError, example_from_files
-from lingbot_core.offline import parse_render
-from lingbot_core.allocator import keep_freed_memory
-from lingbot_core.precision import AUTO, DTYPE_CHOICES
-from lingbot_core.remote.backend import RemoteEngine, create_remote_engine
-from lingbot_core.startup import StartupLog
-from lingbot_core.serving.engine import Engine, EngineConfig, RenderFailedError, RenderRefused
-from lingbot_core.serving.factory import create_engine, default_device
-from lingbot_core.requests import parse_start
-from lingbot_core.remote.protocol import GENERATE_PATH
-from lingbot_core.serve import RealtimeServer, ServeConfig
+from lingbot_core.boundary.example_folder import ExampleFolderError, example_from_files
+from lingbot_core.boundary.offline import parse_render
+from lingbot_core.protocols.sglang.backend import create_remote_engine
+from lingbot_core.process.startup import StartupLog
+from lingbot_core.serving.contract import Backend, EngineConfig, RenderFailedError, RenderRefused
+from lingbot_core.serving.launch import add_engine_arguments, start_local_engine, startup_line
+from lingbot_core.boundary.requests import parse_start
+from lingbot_core.protocols.sglang.protocol import GENERATE_PATH
+from lingbot_core.protocols.sglang.server import RealtimeServer, ServeConfig
+from lingbot_core.serving.live_socket import LiveSocket
 from lingbot_core.serving.streaming import LiveService, StreamConfig, StreamError
-from lingbot_core.video import Recording
-from lingbot_core.workdir import WorkFolder
+from lingbot_core.boundary.video import Recording
+from lingbot_core.process.workdir import WorkFolder
 from lingbot_core.world.examples import EXAMPLE_SEEDS, StartPictures, example_name
 from lingbot_core.world.ground_truth import GroundTruthRenderer, GroundTruthView, beside
 from lingbot_core.world.scene import HELD_OUT_SEEDS, seed_split
 
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE / "examples"
+PAGE = HERE / "page"  # the page's script and styles
 OFFLINE_KEEP_S = 600.0  # an offline MP4 is removed from the work folder this long after it was made
 WORLD_PROMPT = "a procedural world"  # the embedded model's text conditioning is trivial; any prompt works
 PHOTO_EXAMPLES = (("forest.png", "a forest path in spring, sunlight"), ("village.png", "a quiet village street at dusk"))
@@ -78,81 +78,28 @@ PHOTO_EXAMPLES = (("forest.png", "a forest path in spring, sunlight"), ("village
 KEYS = (("w", "forward"), ("a", "left"), ("s", "back"), ("d", "right"),
         ("i", "look up"), ("j", "turn left"), ("k", "look down"), ("l", "turn right"))
 
-# Keyboard and key-button capture. Held keys become events {"event_id", "keys": [...]}, ids increasing per
-# tab; they queue here and a hidden button hands them to /act in order. Typing in a text field is ignored.
-PAGE_JS = """
-() => {
-  if (window.lingbotControls) return;
-  const VALID = "wasdijkl";
-  const held = new Set();
-  let nextId = 1;
-  let pending = [];
-  const typing = (el) => el && (el.isContentEditable || ["INPUT", "TEXTAREA", "SELECT"].includes(el.tagName));
-  const paint = () => {
-    for (const k of VALID) {
-      const b = document.getElementById("lingbot-key-" + k);
-      if (b) b.classList.toggle("lingbot-held", held.has(k));
-    }
-  };
-  const send = () => {
-    pending.push({event_id: nextId++, keys: [...held].sort()});
-    paint();
-    const button = document.getElementById("lingbot-send");
-    if (button) button.click();
-  };
-  const press = (k) => { if (!held.has(k)) { held.add(k); send(); } };
-  const release = (k) => { if (held.delete(k)) send(); };
-  const keyOf = (e) => (e.key && e.key.length === 1 && VALID.includes(e.key.toLowerCase())) ? e.key.toLowerCase() : null;
-  document.addEventListener("keydown", (e) => {
-    const k = keyOf(e);
-    if (!k || e.ctrlKey || e.metaKey || e.altKey || typing(e.target)) return;
-    e.preventDefault();
-    if (!e.repeat) press(k);
-  });
-  document.addEventListener("keyup", (e) => { const k = keyOf(e); if (k) release(k); });
-  window.addEventListener("blur", () => { if (held.size) { held.clear(); send(); } });
-  document.addEventListener("pointerdown", (e) => {
-    const button = e.target.closest && e.target.closest("[id^='lingbot-key-']");
-    if (!button) return;
-    const k = button.id.slice(-1);
-    press(k);
-    const up = () => { release(k); window.removeEventListener("pointerup", up); window.removeEventListener("pointercancel", up); };
-    window.addEventListener("pointerup", up);
-    window.addEventListener("pointercancel", up);
-  });
-  // Report the playhead while the video plays, so the server paces the world to what is on screen, and
-  // how often the player ran dry, so the server adapts how far ahead of it the video arrives.
-  let stalls = 0, watched = null;
-  setInterval(() => {
-    const v = document.querySelector("#lingbot-video video");
-    if (v && v !== watched) { watched = v; v.addEventListener("waiting", () => { stalls += 1; }); }
-    const button = document.getElementById("lingbot-clock");
-    if (v && button && !v.paused && !v.ended && v.readyState >= 2) button.click();
-  }, 250);
-  window.lingbotControls = {
-    take() { const out = pending; pending = []; return JSON.stringify(out); },
-    held() { return [...held].sort(); },
-    playhead() { const v = document.querySelector("#lingbot-video video"); return v ? `${v.currentTime} ${stalls}` : ""; },
-  };
-}
-"""
+# Keyboard and key-button capture, and the player's clock (page/controls.js).
+def _page_script(name: str) -> str:
+    """One of page/'s scripts as the function it holds (Gradio evaluates it: no header comment before it)."""
+    lines = (PAGE / name).read_text(encoding="utf-8").splitlines(keepends=True)
+    return "".join(line for line in lines if not line.startswith("//"))
+
+
+# The page's scripts, run once when it loads: the keys and the player clock, then the socket player.
+PAGE_JS = f"() => {{ ({_page_script('controls.js')})(); ({_page_script('player.js')})(); }}"
 # Run before the hidden buttons' handlers: hand over the queued events (dropped without a session) / the playhead.
 TAKE_EVENTS_JS = ("(sid, events) => { const e = window.lingbotControls ? window.lingbotControls.take() : '[]'; "
                   "return [sid, sid ? e : '[]']; }")
 READ_PLAYHEAD_JS = "(sid, t) => [sid, window.lingbotControls ? window.lingbotControls.playhead() : '']"
 
-PAGE_CSS = """
-#lingbot-keys button { font-weight: 600; white-space: pre-line; line-height: 1.2; }
-#lingbot-keys button.lingbot-held { outline: 3px solid var(--color-accent); background: var(--color-accent-soft); }
-#lingbot-telemetry { font-family: var(--font-mono); font-size: var(--text-sm); min-height: 2.5em; }
-"""
+PAGE_CSS = (PAGE / "page.css").read_text(encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------------------
 # Offline generation (one MP4 from a script or a trajectory)
 
 
-def generate_offline(engine: Engine, image, prompt, seed, script_text, script_file, poses_file, intrinsics_file,
+def generate_offline(engine: Backend, image, prompt, seed, script_text, script_file, poses_file, intrinsics_file,
                      out_dir: Path, trusted_root: Path, max_blocks: int, example_files=None, owner: str | None = None,
                      progress=None) -> tuple[str, str]:
     """An action script (JSONL text or file), a poses/intrinsics pair, or an official example folder's files
@@ -160,7 +107,7 @@ def generate_offline(engine: Engine, image, prompt, seed, script_text, script_fi
 
     A folder's image.jpg and prompt.txt replace the image and prompt fields (dropping the folder is the
     later, explicit choice); a folder without them uses the fields. The inputs are parsed once, whole, before
-    any block (lingbot_core/offline.py, the command's parser): a script past max_blocks is refused, a
+    any block (lingbot_core/boundary/offline.py, the command's parser): a script past max_blocks is refused, a
     trajectory is cut to max_blocks as upstream cuts one to the requested video, and the message says so.
     The blocks are made on the engine's model between live blocks (owner: the client's address, one render
     each); `progress` hears the render's place in line and its blocks.
@@ -212,16 +159,19 @@ class DemoApp:
     service: LiveService
     workdir: WorkFolder | None = None  # removed on close when the app owns it
     renderer: GroundTruthRenderer | None = None  # the world render process (embedded model only)
-    realtime: RealtimeServer | None = None  # SGLang's realtime protocol over the same engine (lingbot_core/serve.py)
+    realtime: RealtimeServer | None = None  # SGLang's realtime protocol over the same engine (lingbot_core/protocols/sglang/server.py)
+    live: LiveSocket | None = None  # the page's socket player's route (lingbot_core/serving/live_socket.py)
 
     def launch(self, **kwargs):
         """demo.launch with the page's key capture script and styles, and the realtime protocol's routes on the
         same port: Gradio hands app_kwargs to its FastAPI app, whose `routes` come before Gradio's own."""
         kwargs.setdefault("show_error", True)
         kwargs.setdefault("max_file_size", "50mb")
-        if self.realtime is not None:
+        routes = [*(self.live.routes() if self.live is not None else ()),
+                  *(self.realtime.routes() if self.realtime is not None else ())]
+        if routes:
             app_kwargs = dict(kwargs.pop("app_kwargs", None) or {})
-            app_kwargs["routes"] = [*app_kwargs.get("routes", ()), *self.realtime.routes()]
+            app_kwargs["routes"] = [*app_kwargs.get("routes", ()), *routes]
             kwargs["app_kwargs"] = app_kwargs
         return self.demo.launch(js=PAGE_JS, css=PAGE_CSS, **kwargs)
 
@@ -232,6 +182,8 @@ class DemoApp:
         self.service.shutdown()
         if self.realtime is not None:
             self.realtime.close()
+        if self.live is not None:
+            self.live.close()
         if self.renderer is not None:
             self.renderer.close()
         if self.workdir is not None:
@@ -239,7 +191,7 @@ class DemoApp:
 
 
 def start_image(**kwargs) -> gr.Image:
-    """A gr.Image that hands over the uploaded file as it is, for lingbot_core/image.py to judge.
+    """A gr.Image that hands over the uploaded file as it is, for lingbot_core/boundary/image.py to judge.
 
     image_mode=None with type="filepath": Gradio only reads the header and passes the path on (its default
     image_mode="RGB" decodes and converts every upload, a 12000x12000 1-bit PNG included, before any
@@ -299,6 +251,16 @@ def release_ended_streams(demo: gr.Blocks, session_hash: str) -> int:
     return len(ended)
 
 
+def player_of(request: gr.Request | None) -> str:
+    """Which player the caller's page plays: the socket player on a page in a browser (its address, sent as the
+    Referer of its calls, holds no `player=hls`), Gradio's HLS video for API clients and `?player=hls` pages."""
+    headers = getattr(request, "headers", None) or {}
+    page = headers.get("referer") or ""
+    if not page or "player=hls" in urllib.parse.urlsplit(page).query:
+        return "hls"
+    return "socket"
+
+
 def _viewer(request: gr.Request) -> str | None:
     """Who is calling: the Gradio session hash, the same for a page and for one gradio_client.Client."""
     return request.session_hash if request is not None else None
@@ -329,7 +291,7 @@ def world_examples() -> list[list[str]]:
     return [[str(path), WORLD_PROMPT] for path in paths if path.is_file()]
 
 
-def warm_examples(engine: Engine, examples: list[list[str]]) -> None:
+def warm_examples(engine: Backend, examples: list[list[str]]) -> None:
     """Have the idle model encode the examples' condition streams (Engine.prewarm), so a world started from
     one plays at full speed from its first block. A picture that cannot be read is left out here; its Start
     says why."""
@@ -348,7 +310,7 @@ def sweep_old_files(folder: Path, pattern: str, older_than_s: float) -> None:
                 old.unlink()
 
 
-def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
+def build_demo(engine: Backend, *, stream_config: StreamConfig = StreamConfig(),
                workdir: Path | WorkFolder | None = None, offline_max_blocks: int = 64,
                delete_cache: tuple[int, int] = (600, 3600), serve_config: ServeConfig = ServeConfig()) -> DemoApp:
     """The page and API over one engine.
@@ -381,7 +343,8 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
         if ground_truth and renderer is not None:  # recognising a world's picture starts the render process
             view = GroundTruthView(renderer, config, await asyncio.to_thread(recognise, image))
         stream = service.stream(image, prompt, seed, viewer, address,
-                                unread=(lambda: unread_updates(demo, viewer)) if viewer else None)
+                                unread=(lambda: unread_updates(demo, viewer)) if viewer else None,
+                                player=player_of(request))
         truth = Recording(workdir / "ground-truth" / uuid.uuid4().hex) if view is not None else None
         session_id, line = None, ""
         try:
@@ -438,6 +401,15 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
     def describe_picture(image):
         return picture_note(recognise(image), image is not None) if world_model else ""
 
+    def prewarm_picture(image):
+        """A chosen picture's condition stream is encoded while the model is idle, before Start: its first
+        blocks then play at full speed instead of each paying an encode (Engine.prewarm; decoded in the page's
+        decode slots, a picture that cannot be read is left to Start to refuse)."""
+        if image is None:
+            return
+        with contextlib.suppress(ValueError, OSError):
+            engine.prewarm([service.gate.decode(parse_start, image, WORLD_PROMPT, 0, config).picture])
+
     def act_from_page(session_id, events, request: gr.Request):
         """The page's key events: problems become a toast, not an error state."""
         if session_id and events not in (None, "", "[]"):
@@ -446,6 +418,15 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
             except StreamError as exc:
                 gr.Warning(str(exc))
         return gr.skip()
+
+    def issue_ticket(session_id, request: gr.Request):
+        """The page's socket player's ticket for its new session (none for the HLS player or no session)."""
+        if not session_id or player_of(request) != "socket":
+            return ""
+        try:
+            return service.ticket(session_id, _viewer(request))
+        except StreamError:
+            return ""
 
     def playhead_from_page(session_id, report, request: gr.Request):
         if session_id and report:  # "seconds stalls" (lingbotControls.playhead)
@@ -551,6 +532,10 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
                     with gr.Row():
                         video = gr.Video(label="World", streaming=True, autoplay=True, interactive=False,
                                          elem_id="lingbot-video", height=360)
+                        # The socket player's canvas (page/player.js); the page shows it or the video above.
+                        gr.HTML(f'<div id="lingbot-canvas-box" style="display:none"><canvas id="lingbot-canvas" '
+                                f'width="{config.width}" height="{config.height}" style="width:100%;max-height:360px;'
+                                f'object-fit:contain;image-rendering:auto;background:#000"></canvas></div>')
                         truth_video = gr.Video(label="Ground truth", streaming=True, autoplay=True,
                                                interactive=False, elem_id="lingbot-truth", height=360,
                                                visible=False)
@@ -579,6 +564,7 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
             events_box = gr.Textbox(visible="hidden", elem_id="lingbot-events")
             send_button = gr.Button("send", visible="hidden", elem_id="lingbot-send")
             playhead_box = gr.Textbox(visible="hidden", elem_id="lingbot-playhead")
+            ticket_box = gr.Textbox(visible="hidden", elem_id="lingbot-ticket")
             clock_button = gr.Button("clock", visible="hidden", elem_id="lingbot-clock")
             api_start_button = gr.Button("start-api", visible="hidden")  # /start: API clients only
         with gr.Tab("Offline generation"):
@@ -608,13 +594,21 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
         api_start_event = api_start_button.click(start, [image, prompt, seed], [video, telemetry, session_box],
                                                  api_name="start", concurrency_limit=None, show_progress="hidden")
         image.change(describe_picture, [image], [picture_info], api_visibility="private", show_progress="hidden")
+        image.change(prewarm_picture, [image], None, api_visibility="private", show_progress="hidden")
         truth_box.change(lambda on: gr.update(visible=bool(on)), [truth_box], [truth_video],
                          api_visibility="private", show_progress="hidden")
+        if renderer is not None:  # ticking the box starts the render process, so Start does not wait for it
+            truth_box.change(lambda on: renderer.warm() if on else None, [truth_box], None,
+                             api_visibility="private", show_progress="hidden")
         if world_model:
             new_world_button.click(new_world, None, [image, picture_info], api_name="new_world")
         send_button.click(act_from_page, [session_box, events_box], [events_box], js=TAKE_EVENTS_JS,
                           trigger_mode="multiple", concurrency_limit=1, concurrency_id="act",
                           api_visibility="private", show_progress="hidden")
+        session_box.change(issue_ticket, [session_box], [ticket_box], api_visibility="private", show_progress="hidden",
+                           queue=False)
+        ticket_box.change(None, [ticket_box], None, js="(t) => { if (window.lingbotPlayer) window.lingbotPlayer.connect(t); }",
+                          api_visibility="private", show_progress="hidden", queue=False)
         clock_button.click(playhead_from_page, [session_box, playhead_box], [playhead_box], js=READ_PLAYHEAD_JS,
                            trigger_mode="always_last", api_visibility="private", show_progress="hidden", queue=False)
         stop_button.click(stop_from_page, [session_box], [telemetry, mp4_file, replay_file],
@@ -631,20 +625,16 @@ def build_demo(engine: Engine, *, stream_config: StreamConfig = StreamConfig(),
         gr.api(stop, api_name="stop")
         demo.unload(close_tab)
     # The protocol is served over a local engine only: with remote servers, their own endpoints serve it.
-    realtime = RealtimeServer(engine, serve_config, gate=service.gate) if isinstance(engine, Engine) else None
-    return DemoApp(demo, service, owned, renderer, realtime)
+    realtime = RealtimeServer(engine, serve_config, gate=service.gate)
+    live = LiveSocket(service, serve_config.allowed_origins)
+    return DemoApp(demo, service, owned, renderer, realtime, live)
 
 
-def _header(config, engine: Engine) -> str:
+def _header(config, engine: Backend) -> str:
     text = (f"# LingBot-World v2 — realtime world model\n"
             f"Model **{config.name}**, {config.width}×{config.height} at {config.fps} FPS, "
-            f"{config.pixel_frames_per_block} frames per block; up to {engine.capacity} worlds at once.")
-    if isinstance(engine, RemoteEngine):
-        text += (f" Plays from **{engine.capacity} remote SGLang realtime server(s)**, one world per server "
-                 f"({', '.join(engine.urls)}).")
-    precision = None if isinstance(engine, RemoteEngine) else engine.pipeline.precision  # remote: the servers'
-    if precision is not None:
-        text += f" Precision **{precision.name}**: {precision.reason}."
+            f"{config.pixel_frames_per_block} frames per block; up to {engine.capacity} worlds at once. "
+            f"{engine.describe()}").rstrip()
     if not config.trained:
         text += ("\n\n> ⚠️ **These weights are random (untrained).** The embedded model shows the machinery — "
                  "streaming, controls, sessions — not a meaningful world. Run with `--model` pointing at the real "
@@ -676,32 +666,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sglang-url", action="append", default=[], metavar="URL",
                         help="a realtime server, ws://host:port (repeat for each; default $LINGBOT_SGLANG_URLS, "
                              "comma separated); with --backend sglang")
-    parser.add_argument("--model", help="embedded (default), a local diffusers folder, or a Hub id "
-                                        "(downloaded); default $LINGBOT_MODEL")
-    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=AUTO,
-                        help="auto (default): bf16 on CUDA and on CPUs where it runs natively and a probe shows "
-                             "it faster, else fp32")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the transformer blocks and the VAE decode step (default: on CUDA, and "
-                             "on a CPU for the embedded model: the first blocks run eager while the graphs build "
-                             "in the background, seconds with a warm inductor cache, minutes cold; "
-                             "LINGBOT_WARM_COMPILE=1 bash setup.sh builds them ahead; --no-compile: eager)")
-    parser.add_argument("--max-sessions", type=int,
-                        help="cap on concurrent worlds on top of the memory budget (default: 2 on a CPU, where "
-                             "compute runs out long before memory, else none)")
-    parser.add_argument("--memory-budget-gib", type=float,
-                        help="memory for sessions (default: 0.9 of what a GPU has free, half of a CPU host's)")
-    parser.add_argument("--idle-ttl", type=float, default=120.0, help="seconds without input before a world closes")
+    add_engine_arguments(parser)
     parser.add_argument("--offline-max-blocks", type=int, default=64)
     parser.add_argument("--host", help="default $GRADIO_SERVER_NAME or 127.0.0.1")
     parser.add_argument("--port", type=int, help="default $GRADIO_SERVER_PORT or 7860")
-    parser.add_argument("--max-per-address", type=int, default=StreamConfig.max_streams_per_address,
-                        help="worlds or places in line one client IP address may hold at once (page and protocol "
-                             "together)")
-    parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
-                        help="a browser page origin that may use the realtime protocol's WebSocket besides this "
-                             "page's own; '*' for any (repeatable)")
     args = parser.parse_args(argv)
     if args.backend not in BACKENDS:  # argparse checks a given value, not a default from the environment
         parser.error(f"LINGBOT_BACKEND must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
@@ -716,10 +684,8 @@ def main(argv: list[str] | None = None) -> None:
     log = StartupLog()
     if workdir.swept:
         log.note(f"removed {len(workdir.swept)} work folder(s) left by ended processes")
-    log.note(f"starting: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-             f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {keep_freed_memory()}")
-    budget = int(args.memory_budget_gib * 2**30) if args.memory_budget_gib else None
-    if args.backend == "sglang":  # no model here: the servers hold it (lingbot_core/remote/backend.py)
+    startup_line(log)
+    if args.backend == "sglang":  # no model here: the servers hold it (lingbot_core/protocols/sglang/backend.py)
         try:
             engine = create_remote_engine(args.sglang_url, args.model, EngineConfig(idle_ttl_s=args.idle_ttl))
         except ValueError as exc:
@@ -729,19 +695,14 @@ def main(argv: list[str] | None = None) -> None:
     else:
         if args.sglang_url:
             parser.error("--sglang-url needs --backend sglang")
-        device = args.device or os.environ.get("LINGBOT_DEVICE") or default_device()
-        max_sessions = args.max_sessions or (2 if device == "cpu" else None)
-        engine = create_engine(args.model, device=device, dtype=args.dtype, compile=args.compile, log=log,
-                               engine_config=EngineConfig(memory_budget_bytes=budget, max_sessions=max_sessions,
-                                                          idle_ttl_s=args.idle_ttl))
+        engine = start_local_engine(args, log)
     with log.stage("build the page"):
         app = build_demo(engine, stream_config=StreamConfig(max_streams_per_address=args.max_per_address),
                          offline_max_blocks=args.offline_max_blocks, workdir=workdir,
                          serve_config=ServeConfig(allowed_origins=tuple(args.allow_origin)))
     try:
         _, url, _ = app.launch(server_name=args.host, server_port=args.port, prevent_thread_lock=True)
-        protocol = (f"; SGLang's realtime protocol at {url.replace('http', 'ws', 1).rstrip('/')}{GENERATE_PATH}"
-                    if app.realtime is not None else "")
+        protocol = f"; SGLang's realtime protocol at {url.replace('http', 'ws', 1).rstrip('/')}{GENERATE_PATH}"
         log.note(f"ready at {url} ({engine.capacity} worlds at once){protocol}")
         app.demo.block_thread()
     finally:

@@ -12,10 +12,10 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}"
 fi
 python3 -m pip install -q -r requirements.txt
-# torch.compile's graphs for the embedded model. Without them the app and the offline command serve eager
-# and build them in a background thread (minutes on a 2-core CPU, into ~/.cache/lingbot/inductor), then
-# switch to compiled between two blocks. Building them here makes later starts switch within seconds.
-# It takes several minutes on a 2-core AVX2 CPU (about 7 when that host was busy), so it is opt-in.
+# torch.compile's graphs for the embedded model, for `--compile` (on a CPU the app and the offline command
+# serve eager by default: compiling is not measured to pay there). Built here, into ~/.cache/lingbot/inductor,
+# a later `--compile` start takes seconds instead of minutes. It takes several minutes on a 2-core AVX2 CPU
+# (about 7 when that host was busy), so it is opt-in.
 if [ "${LINGBOT_WARM_COMPILE:-0}" = 1 ]; then
   echo "setup: building torch.compile's graphs for the embedded model (python3 -m lingbot_core.warm_compile)"
   python3 -m lingbot_core.warm_compile || echo "setup: the compile warm-up failed; the app will build the graphs in the background or run eager"

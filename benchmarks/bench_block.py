@@ -40,12 +40,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from lingbot_core.allocator import keep_freed_memory  # noqa: E402
-from lingbot_core.condition_cache import ConditionCache  # noqa: E402
+from lingbot_core.process.allocator import keep_freed_memory  # noqa: E402
+from lingbot_core.blocks.condition_cache import ConditionCache  # noqa: E402
 from lingbot_core.config import PRESETS  # noqa: E402
-from lingbot_core.pipeline import load_pipeline  # noqa: E402
-from lingbot_core.precision import AUTO, detect_cpu  # noqa: E402
-from lingbot_core.rollout import BlockControl  # noqa: E402
+from lingbot_core.blocks.pipeline import load_pipeline  # noqa: E402
+from lingbot_core.process.precision import AUTO, detect_cpu  # noqa: E402
+from lingbot_core.boundary.requests import BlockControl  # noqa: E402
 
 IMAGE = ROOT / "examples" / "forest.png"
 PROMPT = "a forest path in spring"
@@ -191,7 +191,7 @@ def _graphs() -> int:
 def compare_compile(args) -> None:
     """Eager, then compiled (--compile: graphs built before block 0 on a warm-up rollout; the inductor cache
     is cold on a first run, warm on a second, as printed), then the default (compile=None)."""
-    from lingbot_core.compile_cache import graphs_cached, graphs_key, keep_compiled_kernels
+    from lingbot_core.process.compile_cache import graphs_cached, graphs_key, keep_compiled_kernels
 
     print(f"\n5. {AUTO} eager against torch.compile (median of blocks {args.warmup}-"
           f"{args.warmup + args.compile_blocks - 1}, after {args.warmup} warm-up blocks); "

@@ -30,11 +30,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lingbot_core.condition_cache import ConditionCache  # noqa: E402
+from lingbot_core.blocks.condition_cache import ConditionCache  # noqa: E402
 from lingbot_core.config import PRESETS  # noqa: E402
-from lingbot_core.loading import build_seeded_parts  # noqa: E402
-from lingbot_core.pipeline import Pipeline  # noqa: E402
-from lingbot_core.rollout import BlockControl  # noqa: E402
+from lingbot_core.blocks.loading import build_seeded_parts  # noqa: E402
+from lingbot_core.blocks.pipeline import Pipeline  # noqa: E402
+from lingbot_core.boundary.requests import BlockControl  # noqa: E402
 from lingbot_core.world import HELD_OUT_SEEDS, key_path, make_world, render, to_uint8  # noqa: E402
 
 from bench_render import cpu_kind  # noqa: E402

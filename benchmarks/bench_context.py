@@ -25,10 +25,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from lingbot_core.kv_cache import BlockKV, KVPagePool, SessionKV, context_slots  # noqa: E402
-from lingbot_core.pages import PageAllocator  # noqa: E402
+from lingbot_core.blocks.kv_cache import BlockKV, KVPagePool, SessionKV, context_slots  # noqa: E402
+from lingbot_core.blocks.pages import PageAllocator  # noqa: E402
 from lingbot_core.model.attention import context_frames  # noqa: E402
-from lingbot_core.pipeline import load_pipeline  # noqa: E402
+from lingbot_core.blocks.pipeline import load_pipeline  # noqa: E402
 
 DENOISE_STEPS = 4
 

@@ -29,10 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lingbot_core.pipeline import load_pipeline  # noqa: E402
-from lingbot_core.precision import AUTO, DTYPE_CHOICES  # noqa: E402
-from lingbot_core.requests import parse_start  # noqa: E402
-from lingbot_core.serving.engine import Block, Engine, EngineConfig, NewWorld  # noqa: E402
+from lingbot_core.blocks.pipeline import load_pipeline  # noqa: E402
+from lingbot_core.process.precision import AUTO, DTYPE_CHOICES  # noqa: E402
+from lingbot_core.boundary.requests import parse_start  # noqa: E402
+from lingbot_core.serving.contract import Block, EngineConfig
+from lingbot_core.serving.engine import Engine, NewWorld  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = ROOT / "examples" / "forest.png"

@@ -90,11 +90,11 @@ def build_pipeline(size: str, device: str, dtype: torch.dtype, compiled: bool):
     """A Pipeline of random weights built on `device`; compiled as load_pipeline compiles on CUDA."""
     from transformers import UMT5EncoderModel
 
-    from lingbot_core.loading import LoadedParts
+    from lingbot_core.blocks.loading import LoadedParts
     from lingbot_core.model.text import TextEncoder, build_embedded_tokenizer, embedded_umt5_config, init_umt5_weights
     from lingbot_core.model.transformer import CausalLingBotWorldTransformer3DModel
     from lingbot_core.model.vae_stream import build_vae, compile_frame_decoder, decode_latent_frame
-    from lingbot_core.pipeline import Pipeline
+    from lingbot_core.blocks.pipeline import Pipeline
 
     config, text_config, vocab = size_config(size)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -145,7 +145,7 @@ def time_attention(pipe, repeats: int = 20) -> dict[str, float | None]:
     choice and under each fused backend alone (None: the backend refused the call)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from lingbot_core.kv_cache import context_slots
+    from lingbot_core.blocks.kv_cache import context_slots
     from lingbot_core.model.attention import attend
 
     config, device = pipe.config, pipe.device
@@ -179,12 +179,12 @@ def time_attention(pipe, repeats: int = 20) -> dict[str, float | None]:
 
 
 def run_one(args) -> dict:
-    from lingbot_core.kv_cache import context_slots
+    from lingbot_core.blocks.kv_cache import context_slots
     from lingbot_core.model.attention import context_frames
-    from lingbot_core.rollout import BlockControl
-    from lingbot_core.serving.engine import EngineConfig
+    from lingbot_core.boundary.requests import BlockControl
+    from lingbot_core.serving.contract import EngineConfig
     from lingbot_core.serving.memory import plan_memory
-    from lingbot_core.video import frames_to_uint8
+    from lingbot_core.boundary.video import frames_to_uint8
 
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]

@@ -27,10 +27,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lingbot_core.offline import RenderRequest  # noqa: E402
-from lingbot_core.requests import parse_start  # noqa: E402
-from lingbot_core.rollout import BlockControl  # noqa: E402
-from lingbot_core.serving.engine import Block, EngineConfig  # noqa: E402
+from lingbot_core.boundary.offline import RenderRequest  # noqa: E402
+from lingbot_core.boundary.requests import parse_start  # noqa: E402
+from lingbot_core.boundary.requests import BlockControl  # noqa: E402
+from lingbot_core.serving.contract import Block
+from lingbot_core.serving.contract import EngineConfig  # noqa: E402
 from lingbot_core.serving.factory import create_engine  # noqa: E402
 from lingbot_core.serving.renders import RenderLimits  # noqa: E402
 

@@ -34,7 +34,7 @@ CASES = {  # name -> (mode, width, height); None: examples/forest.png
 CHILD = """
 import json, resource, statistics, sys, time
 sys.path.insert(0, sys.argv[1])
-from lingbot_core.image import ImageError, fit_image, load_image
+from lingbot_core.boundary.image import ImageError, fit_image, load_image
 path, repeats = sys.argv[2], int(sys.argv[3])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 times, outcome = [], None

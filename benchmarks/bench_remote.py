@@ -7,7 +7,7 @@ Every viewer runs the same consumer loop over an engine-like backend (admit, the
 --blocks blocks came), so the only difference between the two columns is the path a block takes:
 
 - local:  Engine (lingbot_core/serving/engine.py) in this process, the model on its worker thread;
-- remote: RemoteEngine (lingbot_core/remote/backend.py) over K servers `python -m lingbot_core.serve`, each its
+- remote: RemoteEngine (lingbot_core/protocols/sglang/backend.py) over K servers `python -m lingbot_core.serve`, each its
   own process with its own model, one seat per server (upstream's rule); a block travels as raw frame batches
   over a local WebSocket and is reassembled here.
 
@@ -38,12 +38,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lingbot_core.pipeline import load_pipeline  # noqa: E402
-from lingbot_core.remote.backend import RemoteConfig, RemoteEngine  # noqa: E402
-from lingbot_core.remote.client import list_models  # noqa: E402
-from lingbot_core.remote.model_config import remote_model_config  # noqa: E402
-from lingbot_core.requests import parse_start  # noqa: E402
-from lingbot_core.serving.engine import Admission, Block, Closed, Engine, EngineConfig, Failed  # noqa: E402
+from lingbot_core.blocks.pipeline import load_pipeline  # noqa: E402
+from lingbot_core.protocols.sglang.backend import RemoteConfig, RemoteEngine  # noqa: E402
+from lingbot_core.protocols.sglang.client import list_models  # noqa: E402
+from lingbot_core.protocols.sglang.model_config import remote_model_config  # noqa: E402
+from lingbot_core.boundary.requests import parse_start  # noqa: E402
+from lingbot_core.serving.contract import Admission, Block, Closed, EngineConfig
+from lingbot_core.serving.engine import Engine, Failed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = ROOT / "examples" / "forest.png"

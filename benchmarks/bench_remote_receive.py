@@ -26,9 +26,9 @@ import numpy as np  # noqa: E402
 
 from fake_upstream import FakeUpstream  # noqa: E402
 from lingbot_core.config import LINGBOT_WORLD_V2_14B  # noqa: E402
-from lingbot_core.remote.backend import RemoteEngine  # noqa: E402
-from lingbot_core.requests import parse_start  # noqa: E402
-from lingbot_core.serving.engine import Block  # noqa: E402
+from lingbot_core.protocols.sglang.backend import RemoteEngine  # noqa: E402
+from lingbot_core.boundary.requests import parse_start  # noqa: E402
+from lingbot_core.serving.contract import Block  # noqa: E402
 
 
 def main() -> None:

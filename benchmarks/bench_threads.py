@@ -27,9 +27,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lingbot_core.pipeline import load_pipeline  # noqa: E402
-from lingbot_core.precision import AUTO, DTYPE_CHOICES  # noqa: E402
-from lingbot_core.rollout import BlockControl  # noqa: E402
+from lingbot_core.blocks.pipeline import load_pipeline  # noqa: E402
+from lingbot_core.process.precision import AUTO, DTYPE_CHOICES  # noqa: E402
+from lingbot_core.boundary.requests import BlockControl  # noqa: E402
 
 CASES = {"main": ("main", "main"), "second thread": ("main", "thread"), "one thread": ("thread", "thread")}
 

@@ -60,10 +60,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from lingbot_core.config import PRESETS, ModelConfig  # noqa: E402
-from lingbot_core.loading import build_seeded_parts  # noqa: E402
-from lingbot_core.pipeline import Pipeline, load_pipeline  # noqa: E402
-from lingbot_core.precision import DTYPE_CHOICES  # noqa: E402
-from lingbot_core.rollout import BlockControl  # noqa: E402
+from lingbot_core.blocks.loading import build_seeded_parts  # noqa: E402
+from lingbot_core.blocks.pipeline import Pipeline, load_pipeline  # noqa: E402
+from lingbot_core.process.precision import DTYPE_CHOICES  # noqa: E402
+from lingbot_core.boundary.requests import BlockControl  # noqa: E402
+from lingbot_core.world.render import SUPERSAMPLE  # noqa: E402
 from lingbot_core.world import HELD_OUT_SEEDS, held_keys, key_path, make_world, render, to_uint8  # noqa: E402
 from lingbot_core.world.metrics import (KEY_MOTION, frame_statistics, motion_for_key, psnr, ssim,  # noqa: E402
                                         video_motion)
@@ -80,7 +81,6 @@ WALK = ("w", "w", "wj", "w", "wl", "l", "w", "a", "w", "d", "wl", "i", "w", "k",
 WALK_COMPARE_BLOCKS = 16  # the walk is compared with the ground truth over this many blocks after block 0
 COLLAPSE_BLOCK = 4  # the walk's last block is compared with this one
 PROMPT = "A walk through a quiet countryside with trees, rocks and small houses."  # an app example prompt
-SUPERSAMPLE = 2  # as the training clips and the start pictures are rendered
 # True motion below this (pixels summed over a block) is no evidence of a direction: a pitch held past
 # its limit stops, and the estimators' noise on a still pair is well under a pixel.
 MIN_TRUE_MOTION_PX = 1.0

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval_world import (HELD_OUT_SEEDS, MIN_TRUE_MOTION_PX, Records, Script, _following, _start_picture,  # noqa: E402
                         ground_truth, held_keys, key_path, load_model, make_world, roll_out)
 from bench_render import cpu_kind  # noqa: E402
-from lingbot_core.precision import DTYPE_CHOICES  # noqa: E402
+from lingbot_core.process.precision import DTYPE_CHOICES  # noqa: E402
 
 BLOCKS = 4
 WORLDS = HELD_OUT_SEEDS[1:4]

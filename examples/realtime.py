@@ -25,11 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lingbot_core.events import EventError, read_events_file  # noqa: E402
-from lingbot_core.precision import AUTO, DTYPE_CHOICES  # noqa: E402
-from lingbot_core.requests import parse_start  # noqa: E402
-from lingbot_core.serving.engine import Admission, Block, Engine, EngineConfig, NewWorld  # noqa: E402
-from lingbot_core.video import H264Writer  # noqa: E402
+from lingbot_core.boundary.events import EventError, read_events_file  # noqa: E402
+from lingbot_core.process.precision import AUTO, DTYPE_CHOICES  # noqa: E402
+from lingbot_core.boundary.requests import parse_start  # noqa: E402
+from lingbot_core.serving.contract import Admission, Block, EngineConfig
+from lingbot_core.serving.engine import Engine, NewWorld  # noqa: E402
+from lingbot_core.boundary.video import H264Writer  # noqa: E402
 
 def run(pipeline, image, prompt: str, seed: int, events: list, output_dir: Path, log=print) -> Engine:
     """Play `events` through a fresh engine; returns the (shut down) engine for inspection."""
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
 
-    from lingbot_core.pipeline import load_pipeline
+    from lingbot_core.blocks.pipeline import load_pipeline
 
     try:
         pipeline = load_pipeline(args.model, dtype=args.dtype, device=args.device,

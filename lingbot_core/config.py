@@ -352,3 +352,7 @@ def tiny_config(**transformer_overrides: Any) -> ModelConfig:
         weights_seed=0,
         trained=False,
     )
+
+
+# Test-only presets by name ($LINGBOT_TEST_PRESET, `create_engine(preset=...)`): the embedded model at a test size.
+TEST_PRESETS = {"tiny": tiny_config}

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from .example_folder import read_example_folder
-from .image import load_image
-from .offline import RenderRequest, parse_render, render
-from .precision import AUTO, DTYPE_CHOICES
+from lingbot_core.boundary.example_folder import read_example_folder
+from lingbot_core.boundary.image import load_image
+from lingbot_core.boundary.offline import RenderRequest, parse_render, render
+from lingbot_core.process.precision import AUTO, DTYPE_CHOICES
 
 __all__ = ["RenderRequest", "main", "render"]
 
@@ -51,16 +51,16 @@ def main(argv: list[str] | None = None) -> int:
                              "it faster, else fp32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the transformer blocks and the VAE decode step (default: on CUDA, and "
-                             "on a CPU for the embedded model: the first blocks run eager while the graphs build "
-                             "in the background, seconds with a warm inductor cache, minutes cold; "
+                        help="torch.compile the transformer blocks and the VAE decode step (default: on CUDA; on a CPU "
+                             "only for a model measured to pay there, none so far, so eager; --compile builds the "
+                             "graphs before the first block, seconds with a warm inductor cache, minutes cold: "
                              "LINGBOT_WARM_COMPILE=1 bash setup.sh builds them ahead; --no-compile: eager)")
     parser.add_argument("--latents-out", help="also save the clean latents [1, z, F, h, w] (torch.save)")
     args = parser.parse_args(argv)
 
-    from .pipeline import load_pipeline  # heavy imports after argument errors
-    from .allocator import keep_freed_memory
-    from .startup import StartupLog
+    from lingbot_core.blocks.pipeline import load_pipeline  # heavy imports after argument errors
+    from lingbot_core.process.allocator import keep_freed_memory
+    from lingbot_core.process.startup import StartupLog
 
     if (args.events is not None) + (args.poses is not None) + (args.action_path is not None) != 1:
         parser.error("give exactly one of --events, --poses/--intrinsics or --action-path")
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {keep_freed_memory()}")
         pipe = load_pipeline(args.model, dtype=args.dtype, device=args.device, compile=args.compile,
                              allow_download=args.allow_download, height=args.height, width=args.width, log=log)
-        # The one offline parse (lingbot_core/offline.py), as the app's Offline tab parses: no bound on length.
+        # The one offline parse (lingbot_core/boundary/offline.py), as the app's Offline tab parses: no bound on length.
         request = parse_render(pipe.config, image, prompt, args.seed, script_path=args.events,
                                poses_path=poses_path, intrinsics_path=intrinsics_path, trusted_root=root,
                                num_blocks=args.blocks)

@@ -4,7 +4,7 @@ them warm and runs compiled from its first block (a cold build takes minutes on 
     python -m lingbot_core.warm_compile [--model embedded] [--dtype auto] [--device cpu]
 
 Loads the model as the app does with --compile, which runs the warm-up rollout on the compiled path
-(lingbot_core/compile_switch.py), prints each stage with its time and where the cache lives. Run again,
+(lingbot_core/process/compile_switch.py), prints each stage with its time and where the cache lives. Run again,
 it rebuilds from the cache in seconds. `LINGBOT_WARM_COMPILE=1 bash setup.sh` runs it.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .precision import AUTO, DTYPE_CHOICES
+from lingbot_core.process.precision import AUTO, DTYPE_CHOICES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,10 +27,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch  # heavy imports after argument errors
 
-    from .compile_cache import keep_compiled_kernels
-    from .compile_switch import EAGER
-    from .pipeline import load_pipeline
-    from .startup import StartupLog
+    from lingbot_core.process.compile_cache import keep_compiled_kernels
+    from lingbot_core.process.compile_switch import EAGER
+    from lingbot_core.blocks.pipeline import load_pipeline
+    from lingbot_core.process.startup import StartupLog
 
     log = StartupLog()
     log.note(f"warming torch.compile's cache in {keep_compiled_kernels()}: torch {torch.__version__}, "

@@ -20,7 +20,8 @@ if str(ROOT) not in sys.path:
 
 import app as lingbot_app  # noqa: E402
 from gradio_client import Client, handle_file  # noqa: E402
-from lingbot_core.serving.engine import EngineConfig  # noqa: E402
+from lingbot_core.serving.contract import EngineConfig  # noqa: E402
+from lingbot_core.serving.factory import create_engine  # noqa: E402
 from lingbot_core.serving.streaming import StreamConfig  # noqa: E402
 
 FOREST = ROOT / "examples" / "forest.png"
@@ -37,7 +38,7 @@ def free_port() -> int:
 @contextlib.contextmanager
 def running_app(engine_config: EngineConfig, stream_config: StreamConfig, workdir: Path, **build):
     """The app on the tiny model, served on a free port: yields (url, engine, DemoApp)."""
-    engine = lingbot_app.create_engine(preset="tiny", engine_config=engine_config)
+    engine = create_engine(preset="tiny", engine_config=engine_config)
     try:
         app = lingbot_app.build_demo(engine, stream_config=stream_config, workdir=workdir, **build)
         _, url, _ = app.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True,

@@ -26,7 +26,7 @@ from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
 from safetensors.torch import save_file
 
 from lingbot_core.config import ModelConfig
-from lingbot_core.loading import TRANSFORMER_INDEX, TRANSFORMER_WEIGHTS, LoadedParts, build_seeded_parts
+from lingbot_core.blocks.loading import TRANSFORMER_INDEX, TRANSFORMER_WEIGHTS, LoadedParts, build_seeded_parts
 
 from training.export import PUBLISHED_MODEL_INDEX  # noqa: E402  (the published index, verbatim)
 

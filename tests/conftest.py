@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lingbot_core.config import tiny_config
-from lingbot_core.loading import build_seeded_parts
-from lingbot_core.pipeline import Pipeline
+from lingbot_core.blocks.loading import build_seeded_parts
+from lingbot_core.blocks.pipeline import Pipeline
 
 # Sink = one block and room for one block of recent history, so frames leave the window from block 2's
 # commit on. rope_max_seq_len=8: block 2 (frames 6..8) crosses the RoPE table and later blocks lie beyond it.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from lingbot_core.serving.engine import Block, NewWorld, Waiting
+from lingbot_core.serving.contract import Block, NewWorld, Waiting
 
 
 def take(engine, session_id, kind=Block, skip=(Waiting, NewWorld), wait_s: float = 60.0):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lingbot_core.allocator import keep_freed_memory
+from lingbot_core.process.allocator import keep_freed_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 # Seven buffers of 1 to 20 MiB written and freed per "block", four blocks after one warm-up; prints the
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = """
 import resource, torch
 import lingbot_core
-from lingbot_core.allocator import keep_freed_memory
+from lingbot_core.process.allocator import keep_freed_memory
 def block():
     held = [torch.ones(n * 2**18) for n in (1, 3, 8, 20, 5, 12, 2)]
     del held

@@ -26,17 +26,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from app_driver import FOREST, ROOT, VILLAGE, stream_outputs, wait_until  # noqa: E402
 from gradio_client import Client, handle_file  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
-from lingbot_core.events import read_events  # noqa: E402
-from lingbot_core.offline import controls_from_events, write_rollout  # noqa: E402
-from lingbot_core.image import fit_image, image_digest, load_image  # noqa: E402
-from lingbot_core.rollout import BlockControl  # noqa: E402
-from lingbot_core.serving.engine import EngineConfig  # noqa: E402
-from lingbot_core.events import EventError, KeyStateEvent, parse_actions  # noqa: E402
-from lingbot_core.requests import RequestError, parse_seed  # noqa: E402
-from lingbot_core.serving.engine import Block  # noqa: E402
-from lingbot_core.serving.streaming import (AdaptiveLead, LiveService, PlaybackClock, StreamConfig,  # noqa: E402
-                                            StreamError, telemetry_line)
-from lingbot_core.video import count_frames, frames_to_uint8, mp4_segment  # noqa: E402
+from lingbot_core.boundary.events import read_events  # noqa: E402
+from lingbot_core.boundary.offline import controls_from_events, write_rollout  # noqa: E402
+from lingbot_core.boundary.image import fit_image, image_digest, load_image  # noqa: E402
+from lingbot_core.boundary.requests import BlockControl  # noqa: E402
+from lingbot_core.serving.contract import EngineConfig  # noqa: E402
+from lingbot_core.boundary.events import EventError, KeyStateEvent, parse_actions  # noqa: E402
+from lingbot_core.boundary.requests import RequestError, parse_seed  # noqa: E402
+from lingbot_core.serving.contract import Block  # noqa: E402
+from lingbot_core.serving.pacing import AdaptiveLead, PlaybackClock  # noqa: E402
+from lingbot_core.serving.streaming import LiveService, StreamConfig, StreamError  # noqa: E402
+from lingbot_core.serving.telemetry import telemetry_line  # noqa: E402
+from lingbot_core.boundary.video import count_frames, frames_to_uint8, mp4_segment  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:::gradio.queueing")  # pandas deprecations in Gradio's analytics
 

@@ -31,10 +31,10 @@ from app_driver import FOREST, ROOT, stream_outputs  # noqa: E402
 from gradio_client import Client, handle_file  # noqa: E402
 from lingbot_core.config import EMBEDDED, LINGBOT_WORLD_V2_14B, tiny_config  # noqa: E402
 from lingbot_core.model import camera  # noqa: E402
-from lingbot_core.rollout import BlockControl  # noqa: E402
-from lingbot_core.serving.engine import EngineConfig  # noqa: E402
+from lingbot_core.boundary.requests import BlockControl  # noqa: E402
+from lingbot_core.serving.contract import EngineConfig  # noqa: E402
 from lingbot_core.serving.streaming import StreamConfig  # noqa: E402
-from lingbot_core.video import frames_to_uint8  # noqa: E402
+from lingbot_core.boundary.video import frames_to_uint8  # noqa: E402
 from lingbot_core.world import HELD_OUT_SEEDS, held_keys, key_path, make_world, render, to_uint8  # noqa: E402
 from lingbot_core.world.examples import (EXAMPLE_SEEDS, StartPictures, example_name, seed_from_name,  # noqa: E402
                                          start_picture)
@@ -84,7 +84,7 @@ def test_a_picture_is_a_world_only_when_its_pixels_are(tmp_path):
 
 
 def test_header_follows_config_trained():
-    engine = SimpleNamespace(capacity=2, pipeline=SimpleNamespace(precision=None))
+    engine = SimpleNamespace(capacity=2, describe=lambda: "")  # the contract's describe(): where worlds are made
     random_weights = lingbot_app._header(dataclasses.replace(EMBEDDED, trained=False), engine)
     assert "random (untrained)" in random_weights and "procedural" not in random_weights
     trained = lingbot_app._header(dataclasses.replace(EMBEDDED, trained=True), engine)

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from conftest import WINDOW_CONFIG
-from lingbot_core.kv_cache import BlockKV, KVPagePool, SessionKV, context_slots
+from lingbot_core.blocks.kv_cache import BlockKV, KVPagePool, SessionKV, context_slots
 from lingbot_core.model.attention import block_causal_mask, context_frames
-from lingbot_core.pages import PageAllocator
-from lingbot_core.rollout import BlockControl, release
+from lingbot_core.blocks.pages import PageAllocator
+from lingbot_core.boundary.requests import BlockControl
+from lingbot_core.blocks.rollout import release
 from training.world import ReadKV, RecordKV, _CommitKV
 
 pytestmark = pytest.mark.usefixtures("single_thread")

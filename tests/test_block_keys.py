@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from lingbot_core.events import block_keys
+from lingbot_core.boundary.events import block_keys
 
 ORDER = ("w", "a", "s", "d", "i", "j", "k", "l")
 F = 3

@@ -1,10 +1,12 @@
 """The app in a real browser: headless Chromium (Debian's /usr/bin/chromium) driven by Playwright.
 
-Loads the page, uploads an image, presses Start and checks that the video really plays (currentTime
-advances, the buffered range grows) while the telemetry updates; that held keys and the on-screen
-key buttons reach the world (the session's replay records them) and typing in a text field does
-not; that Stop offers the rollout for download (12N - 3 frames, N = the replay's blocks); and that
-closing the tab closes the engine session. A screenshot goes to artifacts/ (gitignored).
+The page's default, the socket player (page/player.js over serving/live_socket.py): frames arrive and are
+drawn, a held key reaches the engine over the socket (the replay records it), closing the tab frees the
+seat, and a second world from the same browser session, or one more than the per-address limit, is refused.
+The HLS fallback (`?player=hls`, Gradio's streaming video): the video really plays (currentTime advances,
+the buffered range grows) while the telemetry updates; held keys and the on-screen key buttons reach the
+world and typing in a text field does not; Stop offers the rollout for download (12N - 3 frames, N = the
+replay's blocks); closing the tab closes the engine session. A screenshot goes to artifacts/ (gitignored).
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ if not CHROMIUM.exists():
                 allow_module_level=True)
 playwright_api = pytest.importorskip("playwright.sync_api", reason="the playwright Python package is not installed")
 
-from lingbot_core.serving.engine import EngineConfig  # noqa: E402
+from lingbot_core.serving.contract import EngineConfig  # noqa: E402
 from lingbot_core.serving.streaming import StreamConfig  # noqa: E402
 from tests.app_driver import running_app  # noqa: E402
-from lingbot_core.video import count_frames  # noqa: E402
+from lingbot_core.boundary.video import count_frames  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:::gradio.queueing")
 
@@ -74,8 +76,9 @@ def wait_for_key_in_replay(engine, session_id: str, key: str) -> None:
 
 
 def start_world(page, url: str) -> str:
-    """Load the page, upload the forest, press Start, wait for video to play; returns the session id."""
-    page.goto(url)
+    """Load the page with the HLS player, upload the forest, press Start, wait for video to play; returns the
+    session id."""
+    page.goto(url + "?player=hls")
     page.wait_for_selector("#lingbot-video")
     page.locator("input[type=file]").first.set_input_files(str(FOREST))
     page.wait_for_selector("img[src*='forest']", timeout=WAIT_MS)
@@ -164,3 +167,67 @@ def test_closing_the_tab_closes_the_session(server, browser):
         assert time.monotonic() < deadline, "the session outlived its tab"
         time.sleep(0.1)
     assert engine.stats()["pages_in_use"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The socket player (the page's default)
+
+PRESENTED = "() => window.lingbotPlayer ? window.lingbotPlayer.presented().length : 0"
+
+
+def start_socket_world(page, url: str) -> str:
+    page.goto(url)
+    page.wait_for_selector("#lingbot-canvas-box", state="attached")
+    page.locator("input[type=file]").first.set_input_files(str(FOREST))
+    page.wait_for_selector("img[src*='forest']", timeout=WAIT_MS)
+    page.get_by_role("button", name="Start", exact=True).click()
+    page.wait_for_function(f"({PRESENTED})() > 12", timeout=WAIT_MS)
+    return page.locator("#lingbot-session textarea, #lingbot-session input").first.input_value()
+
+
+def test_the_socket_player_plays_takes_keys_and_frees_the_seat(server, browser):
+    url, engine = server
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    session_id = start_socket_world(page, url)
+    assert session_id in engine.session_ids()
+    assert page.evaluate("window.lingbotPlayer.connected()")
+    assert page.evaluate("document.getElementById('lingbot-video').style.display") == "none"
+    # Frames keep arriving and are drawn in order, blocks and frames as the engine made them.
+    seen = page.evaluate(PRESENTED)
+    page.wait_for_function(f"({PRESENTED})() > {seen + 24}", timeout=WAIT_MS)
+    presented = page.evaluate("window.lingbotPlayer.presented()")
+    order = [(block, frame) for _, block, frame in presented]
+    assert order == sorted(order) and order[0] == (0, 0)
+    assert page.evaluate("window.lingbotPlayer.received()") > 0
+    # A held key goes over the socket and reaches the engine; nothing queued for /act meanwhile.
+    page.mouse.click(5, 5)
+    page.keyboard.down("j")
+    wait_for_key_in_replay(engine, session_id, "j")
+    page.keyboard.up("j")
+    assert page.evaluate("window.lingbotControls.take()") == "[]"
+    # One world a browser session: a second Start while this one plays makes no second world (Gradio holds the
+    # click while the first runs; the stream refuses a second claim of the same session: tests/test_hardening.py).
+    page.get_by_role("button", name="Start", exact=True).click()
+    time.sleep(1.0)
+    assert engine.session_ids() == [session_id]
+    # Closing the tab frees the seat.
+    page.close()
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while session_id in engine.session_ids():
+        assert time.monotonic() < deadline, "the session outlived its tab"
+        time.sleep(0.1)
+    assert errors == []
+
+
+def test_a_socket_ticket_is_the_viewers_alone(server):
+    """The socket refuses a ticket it never issued; the page's private endpoint issues one only to the viewer that
+    owns the world (LiveService.ticket)."""
+    from websockets.sync.client import connect
+
+    url, engine = server
+    with connect(url.replace("http", "ws", 1).rstrip("/") + "/lingbot/live?ticket=forged", open_timeout=30) as ws:
+        reply = json.loads(ws.recv(timeout=30))
+    assert reply["type"] == "error" and "unknown or ended player ticket" in reply["text"]
+

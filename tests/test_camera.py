@@ -191,8 +191,8 @@ def test_our_presets_may_scale_the_focal_length_instead():
 
 def test_rollout_key_path_uses_500px_at_the_output_size(monkeypatch):
     """The key path's map at a non-reference size is the map of 500 px intrinsics (not 500 * W / 832)."""
-    from lingbot_core import rollout
-    from lingbot_core.rollout import BlockControl
+    from lingbot_core.blocks import rollout
+    from lingbot_core.boundary.requests import BlockControl
 
     config = dataclasses.replace(tiny_config(), camera=CFG)
     poses, intrinsics, _ = rollout._block_camera(config, CameraState.initial(),
@@ -709,7 +709,7 @@ def test_random_key_sessions_give_no_translation_to_blocks_without_moves():
 
 def test_the_still_map_of_action_guidance_is_still_in_every_state():
     from lingbot_core.config import EMBEDDED
-    from lingbot_core.rollout import _still_plucker
+    from lingbot_core.blocks.rollout import _still_plucker
     rng = np.random.default_rng(1)
     state = CameraState.initial()
     intrinsics = reference_intrinsics(EMBEDDED.camera, FPB, EMBEDDED.width, EMBEDDED.height)

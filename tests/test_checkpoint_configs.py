@@ -21,8 +21,8 @@ from lingbot_core.config import (
     TransformerConfig,
     tiny_config,
 )
-from lingbot_core.kv_cache import KVPagePool
-from lingbot_core.loading import CheckpointError, load_pipeline_parts
+from lingbot_core.blocks.kv_cache import KVPagePool
+from lingbot_core.blocks.loading import CheckpointError, load_pipeline_parts
 from tests.checkpoint_writer import (
     PUBLISHED_MODEL_INDEX_KEYS,
     PUBLISHED_TEXT_ENCODER_KEYS,

@@ -17,14 +17,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lingbot_core.compile_cache import graphs_cached, graphs_key, mark_graphs_cached
-from lingbot_core.compile_switch import BACKGROUND, COMPILED, EAGER, CompileSwitch, warm_blocks
+from lingbot_core.process.compile_cache import graphs_cached, graphs_key, mark_graphs_cached
+from lingbot_core.process.compile_switch import BACKGROUND, COMPILED, EAGER, CompileSwitch, warm_blocks
 from lingbot_core.config import EMBEDDED, tiny_config
-from lingbot_core.loading import build_seeded_parts
+from lingbot_core.blocks.loading import build_seeded_parts
 from lingbot_core.model.attention import context_frames
-from lingbot_core.pages import PageAllocator
-from lingbot_core.pipeline import Pipeline, compile_plan
-from lingbot_core.rollout import BlockControl, release
+from lingbot_core.blocks.pages import PageAllocator
+from lingbot_core.blocks.pipeline import Pipeline, compile_plan
+from lingbot_core.boundary.requests import BlockControl
+from lingbot_core.blocks.rollout import release
 
 from conftest import WINDOW_CONFIG
 
@@ -157,7 +158,7 @@ def test_the_warm_up_rollout_meets_every_context_length(config):
 
 
 def test_compile_plan_flags_win_and_the_default_compiles_where_measured(monkeypatch):
-    import lingbot_core.pipeline as pipeline_module
+    import lingbot_core.blocks.pipeline as pipeline_module
 
     assert compile_plan(None, "cpu", "embedded", False)[0] == EAGER  # nothing measured to pay at present
     monkeypatch.setattr(pipeline_module, "CPU_COMPILE_PAYS", frozenset({"embedded"}))
@@ -226,8 +227,8 @@ def _load_log(monkeypatch, **kwargs) -> tuple[Pipeline, str, list]:
     """load_pipeline with a log; a background build is recorded instead of started."""
     import io
 
-    from lingbot_core.pipeline import load_pipeline
-    from lingbot_core.startup import StartupLog
+    from lingbot_core.blocks.pipeline import load_pipeline
+    from lingbot_core.process.startup import StartupLog
 
     started = []
     monkeypatch.setattr(CompileSwitch, "build_in_background",
@@ -239,7 +240,7 @@ def _load_log(monkeypatch, **kwargs) -> tuple[Pipeline, str, list]:
 
 
 def test_the_default_on_a_cpu_serves_eager_and_builds_in_background(monkeypatch):
-    import lingbot_core.pipeline as pipeline_module
+    import lingbot_core.blocks.pipeline as pipeline_module
 
     monkeypatch.setattr(pipeline_module, "CPU_COMPILE_PAYS", frozenset({"embedded"}))  # where measured to pay
     pipe, log, started = _load_log(monkeypatch)
@@ -272,10 +273,12 @@ def test_the_onednn_convolution_traces_with_the_layout_it_runs_with(layout):
     # Bit for bit what eager runs, whatever the input's layout: both hand oneDNN channels-last operands.
     assert torch.equal(real, _onednn_eager(x, w, b, *conv))
     assert torch.equal(real, _onednn_conv(x.contiguous(memory_format=torch.channels_last_3d), w, b, *conv))
-    # Against other kernels only within rounding: on an AVX2-only CPU oneDNN's plain-layout kernel sums
-    # in another order than its channels-last one (they differ by about 6e-6 there; on AVX-512 they agree).
-    torch.testing.assert_close(real, torch.mkldnn_convolution(x.contiguous(), w, b, *conv))
-    torch.testing.assert_close(real, torch.nn.functional.conv3d(x, w, b, padding=(0, 1, 1)))
+    # Against other kernels only within rounding: oneDNN's plain-layout kernel sums in another order than its
+    # channels-last one (about 6e-6 apart on an AVX2-only CPU; up to 1.9e-5 seen on AVX-512 for outputs of
+    # magnitude ~5, a sum of 216 products): float32 rounding of such sums, not a different function.
+    tolerance = dict(rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(real, torch.mkldnn_convolution(x.contiguous(), w, b, *conv), **tolerance)
+    torch.testing.assert_close(real, torch.nn.functional.conv3d(x, w, b, padding=(0, 1, 1)), **tolerance)
     with FakeTensorMode() as mode:
         fake = _onednn_conv(mode.from_tensor(x), mode.from_tensor(w), mode.from_tensor(b), *conv)
     assert fake.shape == real.shape and fake.stride() == real.stride()

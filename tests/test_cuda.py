@@ -23,17 +23,18 @@ import torch
 
 from conftest import WINDOW_CONFIG
 from lingbot_core.config import WAN21_VAE
-from lingbot_core.events import read_events
-from lingbot_core.offline import controls_from_events
-from lingbot_core.kv_cache import BlockKV, KVPagePool, SessionKV
-from lingbot_core.loading import build_seeded_parts
+from lingbot_core.boundary.events import read_events
+from lingbot_core.boundary.offline import controls_from_events
+from lingbot_core.blocks.kv_cache import BlockKV, KVPagePool, SessionKV
+from lingbot_core.blocks.loading import build_seeded_parts
 from lingbot_core.model.attention import block_causal_mask, context_frames
 from lingbot_core.model.vae_stream import ConditionStream, DecoderStream, build_vae, decode_block, encode_condition_block
-from lingbot_core.pages import PageAllocator
-from lingbot_core.pipeline import Pipeline
-from lingbot_core.requests import parse_start
-from lingbot_core.rollout import BlockControl
-from lingbot_core.serving.engine import Admission, Block, Engine, EngineConfig, NewWorld
+from lingbot_core.blocks.pages import PageAllocator
+from lingbot_core.blocks.pipeline import Pipeline
+from lingbot_core.boundary.requests import parse_start
+from lingbot_core.boundary.requests import BlockControl
+from lingbot_core.serving.contract import Admission, Block, EngineConfig, NewWorld
+from lingbot_core.serving.engine import Engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from lingbot_core import loading
+from lingbot_core.blocks import loading
 from lingbot_core.config import EMBEDDED
 
 # The shipped VAE's last three blocks of a 6-block held-out clip lose 1.7-2.7 dB against its first block

@@ -22,27 +22,18 @@ import pytest
 import torch
 
 from lingbot_core.config import WAN21_VAE, tiny_config
-from lingbot_core.events import EventError, read_events
-from lingbot_core.offline import controls_from_events
-from lingbot_core.loading import build_seeded_parts
-from lingbot_core.pages import PageAllocator
-from lingbot_core.pipeline import Pipeline
-from lingbot_core.requests import StartRequest, parse_start
-from lingbot_core.serving.engine import (
-    Admission,
-    AdmissionRefused,
-    Block,
-    Closed,
-    Engine,
-    EngineConfig,
-    Failed,
-    NewWorld,
-    UnknownSession,
-    Waiting,
-)
-from lingbot_core.held_bytes import held_bytes
+from lingbot_core.boundary.events import EventError, read_events
+from lingbot_core.boundary.offline import controls_from_events
+from lingbot_core.blocks.loading import build_seeded_parts
+from lingbot_core.blocks.pages import PageAllocator
+from lingbot_core.blocks.pipeline import Pipeline
+from lingbot_core.boundary.requests import StartRequest, parse_start
+from lingbot_core.serving.contract import (Admission, AdmissionRefused, Block, CloseCause, Closed, EngineConfig, Failed,
+                                           NewWorld, UnknownSession, Waiting)
+from lingbot_core.serving.engine import Engine
+from lingbot_core.model.held_bytes import held_bytes
 from lingbot_core.serving.session import Replay, Session
-from lingbot_core.video import count_frames, frames_to_uint8
+from lingbot_core.boundary.video import count_frames, frames_to_uint8
 
 SLIM_VAE = dict(WAN21_VAE, base_dim=4, num_res_blocks=1)
 CONFIG = dataclasses.replace(tiny_config(rope_max_seq_len=8, sink_size=3, sliding_window_num_frames=9), vae=SLIM_VAE)
@@ -189,7 +180,7 @@ def test_admission_by_bytes_waits_in_line_then_refuses(pipe, image, clock):
     assert t3.position == 1 and engine.stats()["waiting"] == 1
     assert "left the line" in engine.next_message(t2.session_id, timeout=0).reason
     engine.shutdown()
-    assert engine.next_message(t3.session_id, timeout=0) == Closed("server shutting down")
+    assert engine.next_message(t3.session_id, timeout=0) == Closed("server shutting down", CloseCause.SHUTDOWN)
     assert engine.pages.num_in_use == 0 and second not in engine.session_ids()
 
 
@@ -483,7 +474,7 @@ def test_idle_ttl_closes_a_session_and_tells_its_consumer(pipe, image, clock):
         _take(engine, idle)
     assert engine.session_ids() == [played]
     message = _take(engine, idle)
-    assert message == Closed("no input for 60 s", idle=True)
+    assert message == Closed("no input for 60 s", CloseCause.IDLE) and message.idle
     assert engine.next_message(idle, timeout=0) == message  # and so on, while the engine remembers it
     assert engine.session_status(idle) == {"status": "closed", "closed_reason": message.reason}
     with pytest.raises(UnknownSession, match="closed: no input"):
@@ -778,7 +769,7 @@ def test_realtime_example_saves_every_block_and_a_replay_that_reproduces_it(pipe
 
 def test_first_events_apply_to_the_first_block_seated_at_once_or_from_the_line(pipe, image, clock):
     """admit(request, first_events): queued before the session can run (a protocol init's camera actions)."""
-    from lingbot_core.events import KeyStateEvent, ScriptEvent
+    from lingbot_core.boundary.events import KeyStateEvent, ScriptEvent
 
     engine = _engine(pipe, clock, max_sessions=1)
     script = ScriptEvent(0, (frozenset("w"), frozenset(), frozenset("a")))

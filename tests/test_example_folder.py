@@ -18,15 +18,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gradio_client import Client, handle_file  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
-from lingbot_core.example_folder import (  # noqa: E402
+from lingbot_core.boundary.example_folder import (  # noqa: E402
     MAX_PROMPT_BYTES,
     ExampleFolderError,
     example_from_files,
     read_example_folder,
 )
-from lingbot_core.serving.engine import EngineConfig  # noqa: E402
+from lingbot_core.serving.contract import EngineConfig  # noqa: E402
 from lingbot_core.serving.streaming import StreamConfig  # noqa: E402
-from lingbot_core.video import count_frames  # noqa: E402
+from lingbot_core.boundary.video import count_frames  # noqa: E402
 from tests.test_generate import official_example_folder  # noqa: E402
 
 FOREST = Path(__file__).resolve().parent.parent / "examples" / "forest.png"

@@ -19,14 +19,14 @@ import torch
 from PIL import Image
 
 from lingbot_core.config import tiny_config
-from lingbot_core.events import read_events_file
+from lingbot_core.boundary.events import read_events_file
 from lingbot_core.config import PUBLISHED_KEYS
 from lingbot_core.generate import main
-from lingbot_core.offline import controls_from_events, plan_trajectory, trajectory_controls
+from lingbot_core.boundary.offline import controls_from_events, plan_trajectory, trajectory_controls
 from lingbot_core.model import camera
-from lingbot_core.pages import PageAllocator
-from lingbot_core.pipeline import load_pipeline
-from lingbot_core.video import count_frames
+from lingbot_core.blocks.pages import PageAllocator
+from lingbot_core.blocks.pipeline import load_pipeline
+from lingbot_core.boundary.video import count_frames
 from tests.checkpoint_writer import (
     PUBLISHED_MODEL_INDEX_KEYS,
     PUBLISHED_TEXT_ENCODER_KEYS,

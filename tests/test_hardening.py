@@ -30,14 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from app_driver import FOREST, ROOT, VILLAGE, Viewer, free_port, wait_until  # noqa: E402
 from gradio_client import Client, handle_file  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
-from lingbot_core.events import EventError, parse_actions, parse_event_line  # noqa: E402
-from lingbot_core.image import MAX_ASPECT_RATIO, MAX_IMAGE_PIXELS, ImageError, fit_image, load_image  # noqa: E402
+from lingbot_core.boundary.events import EventError, parse_actions, parse_event_line  # noqa: E402
+from lingbot_core.boundary.image import MAX_ASPECT_RATIO, MAX_IMAGE_PIXELS, ImageError, fit_image, load_image  # noqa: E402
 from lingbot_core.model.camera import TrajectoryError, validate_trajectory  # noqa: E402
-from lingbot_core.serving.engine import Engine, EngineConfig, Failed, NewWorld  # noqa: E402
-from lingbot_core.requests import RequestError, parse_seed, parse_start  # noqa: E402
+from lingbot_core.serving.contract import EngineConfig, Failed
+from lingbot_core.serving.engine import Engine, NewWorld  # noqa: E402
+from lingbot_core.boundary.requests import RequestError, parse_seed, parse_start  # noqa: E402
 from lingbot_core.serving.streaming import StreamConfig, StreamError  # noqa: E402
-from lingbot_core.user_text import quote  # noqa: E402
-from lingbot_core.workdir import PREFIX, WorkFolder, remove_stale  # noqa: E402
+from lingbot_core.boundary.user_text import quote  # noqa: E402
+from lingbot_core.process.workdir import PREFIX, WorkFolder, remove_stale  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:::gradio.queueing")
 
@@ -304,7 +305,7 @@ def test_pictures_are_decoded_after_the_claim_and_a_few_at_a_time(tiny_pipeline,
     refused before its picture is decoded, and at most `decode_slots` pictures are decoded together."""
     import asyncio
 
-    from lingbot_core import requests
+    from lingbot_core.boundary import requests
     from lingbot_core.serving import streaming
 
     active, peak, calls = [0], [0], []
@@ -574,7 +575,7 @@ def test_the_app_leaves_no_files_after_sigterm_or_after_kill_and_restart(tmp_pat
 
 
 def test_only_work_folders_of_ended_processes_are_swept(tmp_path):
-    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from lingbot_core.workdir import WorkFolder; "
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from lingbot_core.process.workdir import WorkFolder; "
             "f = WorkFolder.create(sys.argv[2]); print(f.path, flush=True); time.sleep(600)")
     alive = subprocess.Popen([sys.executable, "-c", code, str(ROOT), str(tmp_path)], stdout=subprocess.PIPE, text=True)
     dead = subprocess.Popen([sys.executable, "-c", code, str(ROOT), str(tmp_path)], stdout=subprocess.PIPE, text=True)

@@ -9,9 +9,9 @@ import torch
 from diffusers import AutoencoderKLWan
 from safetensors.torch import load_file, save_file
 
-from lingbot_core import loading
+from lingbot_core.blocks import loading
 from lingbot_core.config import EMBEDDED, tiny_config
-from lingbot_core.loading import (
+from lingbot_core.blocks.loading import (
     TRANSFORMER_INDEX,
     TRANSFORMER_WEIGHTS,
     CheckpointError,

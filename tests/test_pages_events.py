@@ -2,8 +2,8 @@
 
 import pytest
 
-from lingbot_core.events import EventError, KeyStateEvent, ScriptEvent, parse_event, parse_event_line, read_events
-from lingbot_core.pages import PageAllocator, PageError
+from lingbot_core.boundary.events import EventError, KeyStateEvent, ScriptEvent, parse_event, parse_event_line, read_events
+from lingbot_core.blocks.pages import PageAllocator, PageError
 
 
 def test_allocator_running_out_is_a_value_and_takes_nothing():

@@ -19,11 +19,12 @@ from training.world import RecordKV
 
 from conftest import WINDOW_CONFIG
 from lingbot_core.config import SamplerConfig
-from lingbot_core.kv_cache import KVPagePool
+from lingbot_core.blocks.kv_cache import KVPagePool
 from lingbot_core.model.attention import block_causal_mask, context_frames
-from lingbot_core.pages import PageAllocator
-from lingbot_core.rollout import BlockControl, PoolExhausted, RolloutState, release
-from lingbot_core.sampler import sample_block
+from lingbot_core.blocks.pages import PageAllocator
+from lingbot_core.boundary.requests import BlockControl
+from lingbot_core.blocks.rollout import PoolExhausted, RolloutState, release
+from lingbot_core.blocks.sampler import sample_block
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -34,7 +35,7 @@ PROMPT = "a red brick house by a quiet river"
 OTHER_PROMPT = "a snowy pine forest at night"
 SEED = 7
 NUM_BLOCKS = 7
-STAGES = ("condition", "denoise", "commit", "decode", "done")
+STAGES = ("condition", "denoise", "decode", "commit", "done")  # decode before the commit forward (rollout.py)
 
 
 def _actions(*frames: str) -> BlockControl:

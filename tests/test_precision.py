@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lingbot_core.config import tiny_config
-from lingbot_core.loading import build_seeded_parts
-from lingbot_core.precision import (AUTO, DTYPES, CpuInfo, choose_precision, detect_cpu, precision_before_probe,
+from lingbot_core.blocks.loading import build_seeded_parts
+from lingbot_core.process.precision import (AUTO, DTYPES, CpuInfo, choose_precision, detect_cpu, precision_before_probe,
                                     probe_kernels)
 
 AVX2 = CpuInfo("AVX2")

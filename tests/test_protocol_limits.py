@@ -11,16 +11,12 @@ the attack is printed beside its usual one (the embedded model's figures: `bench
 from __future__ import annotations
 
 import io
-import os
 import signal
 import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
 
-import msgpack
 import numpy as np
 import pytest
 import uvicorn
@@ -28,13 +24,13 @@ from PIL import Image
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from lingbot_core.allocator import release_freed_memory, resident_bytes
-from lingbot_core.remote.protocol import MAX_TRANSITIONS
-from lingbot_core.serve import RealtimeServer, ServeConfig, create_app
+from lingbot_core.process.allocator import release_freed_memory, resident_bytes
+from lingbot_core.protocols.sglang.protocol import MAX_TRANSITIONS
+from lingbot_core.protocols.sglang.server import RealtimeServer, ServeConfig, create_app
 from lingbot_core.serving.clients import ClientGate, ClientLimits
-from lingbot_core.serving.engine import EngineConfig
+from lingbot_core.serving.contract import EngineConfig
 from lingbot_core.serving.factory import create_engine
-from test_serve import PATH, ROOT, WAIT_S, Client, free_port, png, wait_until
+from test_serve import PATH, WAIT_S, Client, free_port, headless_server, png, wait_until
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -146,7 +142,7 @@ def test_a_state_map_of_ten_thousand_transitions_is_refused_plainly(served, heal
 
 
 def test_a_fault_of_the_server_sends_no_exception_text(served, healthy, monkeypatch):
-    from lingbot_core import serve
+    from lingbot_core.protocols.sglang import server as serve
 
     def broken(*args, **kwargs):
         raise RuntimeError("secret internals at /srv/private/path")
@@ -229,7 +225,7 @@ def rgba_40mp_png() -> bytes:
 def test_pictures_over_the_protocol_use_the_decode_slots_and_memory_returns(served, healthy, monkeypatch):
     """6 inits of a 40 MP RGBA picture at once: decoded one at a time (the gate has one slot here), and the
     process's memory returns to within a bound of where it was once they are done (F3)."""
-    from lingbot_core import serve
+    from lingbot_core.protocols.sglang import server as serve
 
     active, peak = [0], [0]
     lock = threading.Lock()
@@ -278,15 +274,8 @@ def test_pictures_over_the_protocol_use_the_decode_slots_and_memory_returns(serv
 
 
 def test_sigterm_ends_a_headless_server_holding_a_silent_handshake():
-    env = dict(os.environ, LINGBOT_TEST_PRESET="tiny", OMP_NUM_THREADS="1")
-    process = subprocess.Popen([sys.executable, "-m", "lingbot_core.serve", "--port", "0", "--dtype", "fp32"],
-                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process, url = headless_server()
     try:
-        url = None
-        for line in process.stdout:
-            if line.startswith("ready at "):
-                url = line.split()[2]
-                break
         assert url is not None
         silent = Client(url[:-len(PATH)])  # connected, sends nothing
         huge = {"mode": "state", "transitions": [{"actions": []}] * 10_000}

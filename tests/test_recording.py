@@ -11,9 +11,9 @@ import json
 
 import numpy as np
 
-import lingbot_core.video as video
+import lingbot_core.boundary.video as video
 from lingbot_core.serving.session import Replay
-from lingbot_core.video import Recording, count_frames
+from lingbot_core.boundary.video import Recording, count_frames
 
 FPS, FRAMES = 16, 12
 

@@ -13,10 +13,10 @@ from app_driver import FOREST, free_port, stream_outputs
 import app as lingbot_app
 from fake_upstream import FakeUpstream
 from gradio_client import Client, handle_file
-from lingbot_core.remote.backend import RemoteConfig, RemoteEngine, create_remote_engine
-from lingbot_core.serving.engine import EngineConfig
+from lingbot_core.protocols.sglang.backend import RemoteConfig, RemoteEngine, create_remote_engine
+from lingbot_core.serving.contract import EngineConfig
 from lingbot_core.serving.streaming import StreamConfig
-from lingbot_core.video import count_frames
+from lingbot_core.boundary.video import count_frames
 
 
 def test_the_app_plays_a_remote_world_with_keys_stop_and_download(tmp_path):

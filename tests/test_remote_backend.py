@@ -1,4 +1,4 @@
-"""The remote backend (lingbot_core/remote/backend.py) against in-process upstream-like servers over real
+"""The remote backend (lingbot_core/protocols/sglang/backend.py) against in-process upstream-like servers over real
 WebSockets (tests/fake_upstream.py: one session per server, as upstream).
 
 Oracles: each Block's pixels are exactly the frames the server sent for that chunk of that session; the
@@ -20,16 +20,16 @@ import pytest
 from fake_upstream import BUSY_TEXT, FakeUpstream
 from outbox import take
 from lingbot_core.config import tiny_config
-from lingbot_core.events import EventError, KeyStateEvent, ScriptEvent
-from lingbot_core.offline import RenderRequest, controls_from_events
+from lingbot_core.boundary.events import EventError, KeyStateEvent, ScriptEvent
+from lingbot_core.boundary.offline import RenderRequest, controls_from_events
 from lingbot_core.model.camera import CameraState
-from lingbot_core.remote.backend import RemoteConfig, RemoteEngine, RenderRefused
-from lingbot_core.remote.pool import ServerPool, ServerState
-from lingbot_core.requests import parse_start
-from lingbot_core.serving.engine import (Admission, AdmissionRefused, Block, Closed, EngineConfig, Failed, NewWorld,
-                                         UnknownSession, Waiting)
+from lingbot_core.protocols.sglang.backend import RemoteConfig, RemoteEngine, RenderRefused
+from lingbot_core.protocols.sglang.pool import ServerPool, ServerState
+from lingbot_core.boundary.requests import parse_start
+from lingbot_core.serving.contract import (Admission, AdmissionRefused, Block, Closed, EngineConfig, Failed,
+                                           NewWorld, UnknownSession, Waiting)
 from lingbot_core.serving.streaming import LiveService, StreamConfig
-from lingbot_core.video import count_frames
+from lingbot_core.boundary.video import count_frames
 
 CONFIG = tiny_config()  # 64x32 pixels, 3 latent frames a block
 PROMPT = "a harbour at dawn"

@@ -1,4 +1,4 @@
-"""lingbot_core.remote.client against a tiny fake realtime server, over a real WebSocket on localhost.
+"""lingbot_core.protocols.sglang.client against a tiny fake realtime server, over a real WebSocket on localhost.
 
 The fake server is written here from the reference (../shared/reference/sglang-realtime-protocol.md) with
 plain msgpack maps, not with our codec, so client and server cannot share a bug. It serves deterministic
@@ -25,9 +25,9 @@ from PIL import Image
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.server import serve
 
-from lingbot_core.events import KeyStateEvent
-from lingbot_core.remote.client import (Outcome, RealtimeClient, ReceivedChunk, RemoteUnavailable, list_models)
-from lingbot_core.remote.protocol import ErrorMessage, EventMessage, InitRequest
+from lingbot_core.boundary.events import KeyStateEvent
+from lingbot_core.protocols.sglang.client import (Outcome, RealtimeClient, ReceivedChunk, RemoteUnavailable, list_models)
+from lingbot_core.protocols.sglang.protocol import ErrorMessage, EventMessage, InitRequest
 
 WIDTH, HEIGHT = 64, 48
 

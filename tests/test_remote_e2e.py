@@ -1,4 +1,4 @@
-"""Across real processes: the remote backend (lingbot_core/remote/backend.py) plays worlds that our own protocol
+"""Across real processes: the remote backend (lingbot_core/protocols/sglang/backend.py) plays worlds that our own protocol
 server (`python -m lingbot_core.serve`, tiny preset) generates in other processes, over real WebSockets.
 
 Oracle: what a viewer receives remotely is the world the model makes. Each received world's replay (built by
@@ -29,17 +29,17 @@ from PIL import Image
 from app_driver import FOREST, VILLAGE, free_port, stream_outputs
 from gradio_client import Client, handle_file
 from outbox import take
-from lingbot_core.events import KeyStateEvent
-from lingbot_core.remote.backend import RemoteConfig, RemoteEngine, create_remote_engine, png_bytes
-from lingbot_core.remote.client import RealtimeClient, list_models
-from lingbot_core.remote.model_config import remote_model_config
-from lingbot_core.remote.protocol import InitRequest
-from lingbot_core.requests import parse_start
-from lingbot_core.rollout import BlockControl
-from lingbot_core.serving.engine import Admission, Block, EngineConfig, Failed, NewWorld, Waiting
+from lingbot_core.boundary.events import KeyStateEvent
+from lingbot_core.protocols.sglang.backend import RemoteConfig, RemoteEngine, create_remote_engine, png_bytes
+from lingbot_core.protocols.sglang.client import RealtimeClient, list_models
+from lingbot_core.protocols.sglang.model_config import remote_model_config
+from lingbot_core.protocols.sglang.protocol import InitRequest
+from lingbot_core.boundary.requests import parse_start
+from lingbot_core.boundary.requests import BlockControl
+from lingbot_core.serving.contract import Admission, Block, EngineConfig, Failed, NewWorld, Waiting
 from lingbot_core.serving.factory import create_engine
 from lingbot_core.serving.streaming import StreamConfig
-from lingbot_core.video import frames_to_uint8, mp4_segment
+from lingbot_core.boundary.video import frames_to_uint8, mp4_segment
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "a harbour at dawn"

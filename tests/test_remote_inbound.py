@@ -1,13 +1,13 @@
-"""lingbot_core.remote.inbound: protocol events -> engine events (ids, padding, folding, all-or-nothing, echo)."""
+"""lingbot_core.protocols.sglang.inbound: protocol events -> engine events (ids, padding, folding, all-or-nothing, echo)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lingbot_core.events import KeyStateEvent, ScriptEvent
-from lingbot_core.remote.protocol import (INVALID_EVENT, CameraScript, CameraState, CompositeInput, EventMessage,
+from lingbot_core.boundary.events import KeyStateEvent, ScriptEvent
+from lingbot_core.protocols.sglang.protocol import (INVALID_EVENT, CameraScript, CameraState, CompositeInput, EventMessage,
                                           ProtocolError, Transition)
-from lingbot_core.remote.inbound import InboundEvents
+from lingbot_core.protocols.sglang.inbound import InboundEvents
 
 F = 3  # latent frames per block
 

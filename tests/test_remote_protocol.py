@@ -1,4 +1,4 @@
-"""Conformance of lingbot_core.remote (wire format, frame batches, camera actions) to the reference
+"""Conformance of lingbot_core.protocols.sglang (wire format, frame batches, camera actions) to the reference
 ../shared/reference/sglang-realtime-protocol.md.
 
 The expected wire maps and field lists below are written from the reference (plus the upstream facts the
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from lingbot_core.events import KeyStateEvent, ScriptEvent
-from lingbot_core.remote.actions import CameraInput, event_to_message, tokens_to_keys
-from lingbot_core.remote.batching import (IMAGE_FRAMES_PER_BATCH, RAW_FRAMES_PER_BATCH, ChunkAssembler,
+from lingbot_core.boundary.events import KeyStateEvent, ScriptEvent
+from lingbot_core.protocols.sglang.actions import CameraInput, event_to_message, tokens_to_keys
+from lingbot_core.protocols.sglang.batching import (IMAGE_FRAMES_PER_BATCH, RAW_FRAMES_PER_BATCH, ChunkAssembler,
                                           build_frame_batches)
-from lingbot_core.remote.protocol import (
+from lingbot_core.protocols.sglang.protocol import (
     INVALID_EVENT, INVALID_REQUEST, MAX_SCRIPT_FRAMES, SPLIT_PAYLOAD_BYTES, CameraScript, CameraState, ChunkStats,
     CompositeInput, ErrorMessage, EventMessage, FrameBatch, InitRequest, ProtocolError, ServerMessageReader,
     Transition, decode_client_message, decode_event, decode_init, encode_client_message, encode_server_message)

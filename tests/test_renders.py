@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 
 from lingbot_core.config import tiny_config
-from lingbot_core.events import EventError
-from lingbot_core.offline import RenderRequest, parse_render
-from lingbot_core.rollout import BlockControl
-from lingbot_core.serving.engine import Admission, Block, Engine, EngineConfig, RenderFailedError, RenderRefused
+from lingbot_core.boundary.events import EventError
+from lingbot_core.boundary.offline import RenderRequest, parse_render
+from lingbot_core.boundary.requests import BlockControl
+from lingbot_core.serving.contract import Admission, Block, EngineConfig, RenderFailedError, RenderRefused
+from lingbot_core.serving.engine import Engine
 from lingbot_core.serving.renders import RenderLimits, RenderProgress
-from lingbot_core.video import count_frames
+from lingbot_core.boundary.video import count_frames
 from test_engine import CONFIG, PROMPT, _pipeline, _request
 
 BIG = 1 << 34
@@ -58,8 +59,8 @@ class Timeline:
                 self.kinds.append("live")
             return ran
 
-        def render(force=False):
-            ran = render_block(force)
+        def render(*args, **kwargs):
+            ran = render_block(*args, **kwargs)
             if ran:
                 self.kinds.append("render")
             return ran

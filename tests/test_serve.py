@@ -1,13 +1,13 @@
-"""lingbot_core/serve.py: SGLang's realtime protocol served by our engine, over real WebSockets.
+"""lingbot_core/protocols/sglang/server.py: SGLang's realtime protocol served by our engine, over real WebSockets.
 
 The conformance client here is written from the reference (../shared/reference/sglang-realtime-protocol.md)
-with raw `websockets` and `msgpack`, not with lingbot_core.remote, so server and client cannot share a bug.
+with raw `websockets` and `msgpack`, not with lingbot_core.protocols.sglang, so server and client cannot share a bug.
 The oracle: the engine's own Block messages for each session are recorded (a spy on next_message), and
 the frames reassembled from the socket must equal their pixels bit for bit (raw), or decode to their size
 (webp). The tiny model's chunks are 9 frames (chunk 0) and 12 frames: at 64x32 rgb24 that is 55,296 bytes
 (a payload sent inside its frame_batch map) and 73,728 bytes (>= 64 KiB: a frame_batch_header, then the
 payload), so both forms occur; a raw chunk never exceeds 16 frames here, so the >16-frame raw split
-cannot occur with this model (lingbot_core/remote/batching.py's tests cover it), while webp chunks
+cannot occur with this model (lingbot_core/protocols/sglang/batching.py's tests cover it), while webp chunks
 split into batches of 6.
 """
 
@@ -35,8 +35,8 @@ from PIL import Image
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from lingbot_core.serve import RealtimeServer, create_app
-from lingbot_core.serving.engine import Block, EngineConfig
+from lingbot_core.protocols.sglang.server import RealtimeServer, create_app
+from lingbot_core.serving.contract import Block, EngineConfig
 from lingbot_core.serving.factory import create_engine
 from lingbot_core.serving.streaming import StreamConfig
 
@@ -388,8 +388,8 @@ def test_two_sessions_play_at_once_a_third_waits_and_a_full_line_is_refused(fres
 
 
 def test_our_client_plays_it(fresh):
-    from lingbot_core.remote.client import Outcome, RealtimeClient, list_models
-    from lingbot_core.remote.protocol import InitRequest
+    from lingbot_core.protocols.sglang.client import Outcome, RealtimeClient, list_models
+    from lingbot_core.protocols.sglang.protocol import InitRequest
 
     assert list_models(fresh.url) == ["tiny"]
     with RealtimeClient.connect(fresh.url, receive_timeout=WAIT_S) as client:
@@ -408,17 +408,22 @@ def test_our_client_plays_it(fresh):
             assert all("j" in keys for keys in blocks[chunk.chunk_index].replay_entry["frames"])
 
 
-def test_the_headless_command_serves_the_protocol():
-    """python -m lingbot_core.serve in its own process: the ready line, /v1/models, one chunk, Ctrl-C."""
+def headless_server() -> tuple[subprocess.Popen, str | None]:
+    """`python -m lingbot_core.serve` on a free port in its own process (tiny preset): it and the URL of its ready
+    line (None: it printed none)."""
     env = dict(os.environ, LINGBOT_TEST_PRESET="tiny", OMP_NUM_THREADS="1")
     process = subprocess.Popen([sys.executable, "-m", "lingbot_core.serve", "--port", "0", "--dtype", "fp32"],
                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in process.stdout:  # start-up lines, then the ready line
+        if line.startswith("ready at "):
+            return process, line.split()[2]
+    return process, None
+
+
+def test_the_headless_command_serves_the_protocol():
+    """python -m lingbot_core.serve in its own process: the ready line, /v1/models, one chunk, Ctrl-C."""
+    process, url = headless_server()
     try:
-        url = None
-        for line in process.stdout:  # start-up lines, then the ready line
-            if line.startswith("ready at "):
-                url = line.split()[2]
-                break
         assert url is not None and url.endswith(PATH), "no ready line"
         base = url[:-len(PATH)]
         with urllib.request.urlopen(base.replace("ws", "http") + "/v1/models", timeout=30) as response:

@@ -18,24 +18,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lingbot_core.config import WAN21_VAE, tiny_config
-from lingbot_core.events import EventError, read_events
-from lingbot_core.offline import controls_from_events
-from lingbot_core.image import ImageError, fit_image, image_digest, load_image
-from lingbot_core.kv_cache import KVPagePool
-from lingbot_core.loading import build_seeded_parts
+from lingbot_core.boundary.events import EventError, read_events
+from lingbot_core.boundary.offline import controls_from_events
+from lingbot_core.boundary.image import ImageError, fit_image, image_digest, load_image
+from lingbot_core.blocks.kv_cache import KVPagePool
+from lingbot_core.blocks.loading import build_seeded_parts
 from lingbot_core.model import camera
 from lingbot_core.model.text import PromptError
-from lingbot_core.pages import PageAllocator
-from lingbot_core.pipeline import Pipeline
-from lingbot_core.requests import StartRequest, parse_start
-from lingbot_core.video import frames_to_uint8
+from lingbot_core.blocks.pages import PageAllocator
+from lingbot_core.blocks.pipeline import Pipeline
+from lingbot_core.boundary.requests import StartRequest, parse_start
+from lingbot_core.boundary.video import frames_to_uint8
 from lingbot_core.serving.session import (
     Replay,
     Session,
     SessionClosed,
     SessionStatus,
 )
-from lingbot_core.held_bytes import held_bytes
+from lingbot_core.model.held_bytes import held_bytes
 from lingbot_core.serving.memory import block_scratch_bytes, measure_footprint
 
 CONFIG = dataclasses.replace(tiny_config(rope_max_seq_len=8, sink_size=3, sliding_window_num_frames=9),
@@ -258,7 +258,7 @@ def reference_run(pipe, image):
     return outputs, states
 
 
-@pytest.mark.parametrize("stage", ["text", "condition", "denoise", "commit", "decode", "done"])
+@pytest.mark.parametrize("stage", ["text", "condition", "denoise", "decode", "commit", "done"])
 def test_failed_block_leaves_state_byte_identical_and_retry_equals_reference(pipe, pool, pages, image,
                                                                              reference_run,
                                                                              stage):

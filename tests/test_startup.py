@@ -6,8 +6,8 @@ import io
 from types import SimpleNamespace
 
 from lingbot_core.config import tiny_config
-from lingbot_core.precision import Precision
-from lingbot_core.startup import StartupLog, maybe_stage, process_age_s
+from lingbot_core.process.precision import Precision
+from lingbot_core.process.startup import StartupLog, maybe_stage, process_age_s
 
 
 class Clock:
@@ -44,7 +44,10 @@ def test_without_a_log_stages_are_silent(capsys):
 def test_the_page_header_names_the_precision_and_its_reason():
     import app
 
+    from lingbot_core.serving.engine import Engine
+
     precision = Precision("fp32", "auto on an AVX2 CPU without native bf16")
     engine = SimpleNamespace(capacity=2, pipeline=SimpleNamespace(precision=precision))
+    engine.describe = lambda: Engine.describe(engine)  # the local engine's own wording
     header = app._header(tiny_config(), engine)
     assert "Precision **fp32**: auto on an AVX2 CPU without native bf16." in header

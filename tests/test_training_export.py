@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from lingbot_core.config import EMBEDDED
-from lingbot_core.loading import TRANSFORMER_WEIGHTS
+from lingbot_core.blocks.loading import TRANSFORMER_WEIGHTS
 from training.export import DEFAULT_OUT, export
 from training.world import CHECKPOINT, CHECKPOINT_FORMAT, WorldTrainConfig, new_model
 

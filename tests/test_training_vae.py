@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lingbot_core.config import tiny_config
-from lingbot_core.loading import load_folder
+from lingbot_core.blocks.loading import load_folder
 from tests.checkpoint_writer import write_tiny_checkpoint
 from training.data import make_clip
 from training.vae import (CHECKPOINT, EXPORT_WEIGHTS, LOG, VaeTrainConfig, block_psnr, export_vae, load_checkpoint,

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from lingbot_core.config import tiny_config
-from lingbot_core.kv_cache import KVPagePool, SessionKV
+from lingbot_core.blocks.kv_cache import KVPagePool, SessionKV
 from lingbot_core.model.transformer import CausalLingBotWorldTransformer3DModel
 from training.world import (RecordKV, WorldTrainConfig, _CommitKV, ReadKV, block_position, motion_weights,
                             rollout_context, sampler_sigmas, teacher_forced_loss)
 from lingbot_core.model.attention import context_frames
-from lingbot_core.pages import PageAllocator
+from lingbot_core.blocks.pages import PageAllocator
 
 
 def _model_and_inputs(blocks: int):
@@ -248,7 +248,7 @@ def test_mirrored_clips_encode_as_their_flipped_frames_with_mirrored_keys():
     keys are mirrored (the latents, the start frame's condition stream and the key array)."""
     import numpy as np
 
-    from lingbot_core.loading import build_seeded_parts
+    from lingbot_core.blocks.loading import build_seeded_parts
     from lingbot_core.model import camera
     from training.data import mirror_actions, pitched_state
     from training.world import encode_clips
@@ -320,7 +320,7 @@ def test_a_grown_encoding_cache_equals_encoding_all_clips_at_once(tmp_path):
     equals a fresh encode of all of them, and the clips are read only when something is missing."""
     import numpy as np
 
-    from lingbot_core.loading import build_seeded_parts
+    from lingbot_core.blocks.loading import build_seeded_parts
     from training.data import StoredClips
     from training.world import cached_encoding, encode_clips
 
@@ -413,7 +413,7 @@ def test_world_data_holds_each_clips_cameras_from_its_start_pose_mirror_images_i
     hands out the maps of the clips it draws."""
     import numpy as np
 
-    from lingbot_core.loading import build_seeded_parts
+    from lingbot_core.blocks.loading import build_seeded_parts
     from lingbot_core.model import camera
     from training.data import actions_to_array, array_to_actions, pitched_state, start_state
     from training.world import WorldData, block_pluckers

@@ -170,7 +170,7 @@ def test_the_estimators_read_the_vaes_round_trip_of_a_true_clip_as_moving_with_t
     to the truth's on it. Regression: whitened phase correlation alone read 0.05 of a sideways step's
     motion on these frames (faint static patterns of the decoder outvote a one-pixel shift), 0.25 of a
     pitch's and 0.76 of a turn's, though the picture moves with the truth from one block's end to the next."""
-    from lingbot_core import loading
+    from lingbot_core.blocks import loading
     from training.vae import stream_reconstruct
 
     parts = loading.load_pipeline_parts("embedded", dtype=torch.float32)
@@ -208,8 +208,8 @@ def test_frame_statistics_see_a_washed_out_picture(world):
 
 @pytest.mark.skipif(not EMBEDDED.trained, reason="the embedded preset's weights are not trained yet")
 def test_the_shipped_model_turns_with_the_keys():
-    from lingbot_core.pipeline import load_pipeline
-    from lingbot_core.rollout import BlockControl
+    from lingbot_core.blocks.pipeline import load_pipeline
+    from lingbot_core.boundary.requests import BlockControl
 
     pipe = load_pipeline("embedded", dtype="fp32", compile=False)
     config = pipe.config

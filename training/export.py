@@ -3,7 +3,7 @@
     python -m training.export --vae DIR/vae --world-run RUN_DIR [--out lingbot_core/embedded_model]
 
 The folder has the real checkpoint's diffusers layout (model_index.json, transformer/, vae/,
-text_encoder/, tokenizer/, scheduler/) in half precision, and `lingbot_core/loading.py` reads it with
+text_encoder/, tokenizer/, scheduler/) in half precision, and `lingbot_core/blocks/loading.py` reads it with
 the same code as the published checkpoint. The text encoder is the embedded preset's seeded UMT5 (the
 world model was trained with it frozen), saved so that the folder is complete on its own.
 The model card (README.md) is written by hand next to it; this command leaves it alone.
@@ -22,7 +22,7 @@ from diffusers import UniPCMultistepScheduler
 from safetensors.torch import save_file
 
 from lingbot_core.config import EMBEDDED
-from lingbot_core.loading import TRANSFORMER_WEIGHTS, build_seeded_parts
+from lingbot_core.blocks.loading import TRANSFORMER_WEIGHTS, build_seeded_parts
 from training.world import load_checkpoint, load_vae, model_config
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "lingbot_core" / "embedded_model"

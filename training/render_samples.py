@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from lingbot_core.config import PRESETS
-from lingbot_core.video import write_mp4
+from lingbot_core.boundary.video import H264Writer
 from lingbot_core.world import HELD_OUT_SEEDS, held_keys, key_path, make_world, render, to_uint8
 
 CLIPS = {
@@ -73,7 +73,12 @@ def main() -> None:
             rgb = render(world, path.pixel_poses, path.intrinsics, config.width, config.height, args.supersample)
             seconds = time.perf_counter() - started
             frames = to_uint8(rgb)
-            write_mp4(out / f"{seed}_{name}.mp4", frames, config.fps)
+            writer = H264Writer(out / f"{seed}_{name}.mp4", width=frames.shape[2], height=frames.shape[1],
+                                fps=config.fps)
+            try:
+                writer.write(frames)
+            finally:
+                writer.close()
             contact_sheet(frames[::config.vae_temporal_factor], columns=5, scale=2).save(out / f"{seed}_{name}.png")
             print(f"seed {seed} {name:>5}: {len(frames)} frames {config.width}x{config.height} in {seconds:.1f} s "
                   f"({len(frames) / seconds:.1f} FPS) -> {out}/{seed}_{name}.mp4, .png", flush=True)

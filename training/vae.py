@@ -31,7 +31,7 @@ encoder equals), `psnr_image` encodes the start frame as the condition stream do
 (`encode_condition_block`) and decodes latent frame 0 back to it.
 
 --export writes OUT/vae/ (config.json + diffusion_pytorch_model.safetensors, float16) as
-`AutoencoderKLWan.save_pretrained` does, the folder the checkpoint loader reads (lingbot_core/loading.py),
+`AutoencoderKLWan.save_pretrained` does, the folder the checkpoint loader reads (lingbot_core/blocks/loading.py),
 with latents_mean / latents_std measured on --stats-clips train clips, so the transformer sees
 normalised latents. A decoder-only run started from an exported folder keeps that folder's statistics
 instead: its encoder is that folder's encoder, bit for bit, so a world model trained on the old export

@@ -9,7 +9,7 @@
     python -m training.world --vae DIR/vae --init-from MODEL_DIR --clips-dir DIR --stored-clips N --run-dir DIR \
                              --rollouts OUT.pt   # the model's own latents of every clip, for training.vae --rollouts
 
-It trains exactly the structure inference runs (lingbot_core/rollout.py `step_block`):
+It trains exactly the structure inference runs (lingbot_core/blocks/rollout.py `step_block`):
 - the condition of block b is block b of the causal condition stream of the clip's start frame
   followed by zero frames, with the mask on latent frame 0 (`vae_stream.condition_mask`);
 - the camera of block b is the Plücker map of its latent poses anchored on the previous block's last
@@ -62,8 +62,8 @@ from diffusers import AutoencoderKLWan
 from tqdm import tqdm
 
 from lingbot_core.config import EMBEDDED, ModelConfig
-from lingbot_core import loading
-from lingbot_core.loading import CheckpointError, build_seeded_parts, load_transformer_shards, plan_transformer_shards
+from lingbot_core.blocks import loading
+from lingbot_core.blocks.loading import CheckpointError, build_seeded_parts, load_transformer_shards, plan_transformer_shards
 from lingbot_core.model import camera
 from lingbot_core.model.attention import context_frames
 from lingbot_core.model.transformer import CausalLingBotWorldTransformer3DModel

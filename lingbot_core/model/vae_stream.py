@@ -57,7 +57,7 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, pa
 
 from lingbot_core.config import ModelConfig
 from lingbot_core.model.cpu_kernels import use_fast_cpu_kernels
-from lingbot_core.held_bytes import held_bytes
+from lingbot_core.model.held_bytes import held_bytes
 
 # `AutoencoderKLWan._encode` slices pixel frames into chunks of this many frames (a literal in
 # diffusers), so only a VAE whose temporal factor equals it encodes one latent frame per chunk.
@@ -391,11 +391,14 @@ def compile_frame_decoder(**compile_options: Any) -> FrameDecoder:
 
 @torch.no_grad()
 def decode_block(vae: AutoencoderKLWan, state: DecoderStream, latents: torch.Tensor,
-                 decode_frame: FrameDecoder = decode_latent_frame) -> tuple[torch.Tensor, DecoderStream]:
+                 decode_frame: FrameDecoder = decode_latent_frame,
+                 on_frames: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, DecoderStream]:
     """Decode normalised latents [1, z_dim, F, h, w] to frames [1, 3, T, H, W] in [-1, 1].
 
     T = 1 + 4 (F - 1) for the rollout's first block and 4 F after; equals the matching slice of
-    one-shot `vae.decode(latents * std + mean)`. `state` is not modified.
+    one-shot `vae.decode(latents * std + mean)`. `state` is not modified. on_frames: called with each latent
+    frame's pixel frames [1, 3, n, H, W] as soon as they are decoded (the same values as their slice of the
+    result), so a viewer can be shown them before the block's last frame is done.
     """
     check_streamable(vae)
     if latents.ndim != 5 or latents.shape[0] != 1 or latents.shape[1] != vae.config.z_dim:
@@ -415,6 +418,8 @@ def decode_block(vae: AutoencoderKLWan, state: DecoderStream, latents: torch.Ten
         # handles the first frame through its "Rep" cache slots.
         first_chunk = not state.started and i == 0
         frames.append(decode_frame(vae, x[:, :, i : i + 1], cache, first_chunk))
+        if on_frames is not None:  # per frame, as the whole is made below: unpatchify works frame by frame
+            on_frames(unpatchify(frames[-1], _patch_size(vae)).clamp(-1.0, 1.0))
     # [1, 3, T, H, W]; a patched VAE's decoder returns [1, 3 * patch^2, T, H / patch, W / patch]
     out = unpatchify(torch.cat(frames, dim=2), _patch_size(vae)).clamp(-1.0, 1.0)
     pending = DecoderStream(cache=cache, latent_frames_decoded=state.latent_frames_decoded + x.shape[2])

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
-from ..allocator import release_freed_memory, resident_bytes
+from lingbot_core.process.allocator import release_freed_memory, resident_bytes
 
 T = TypeVar("T")
 
@@ -108,3 +108,11 @@ class ClientGate:
             after = resident_bytes()
             if before is not None and after is not None and after - before > TRIM_AFTER_BYTES:
                 release_freed_memory()
+
+
+def origin_allowed(origin: str | None, host: str | None, allowed: tuple[str, ...]) -> bool:
+    """Same origin, or one the server allows: a browser page of another site must not use a local server."""
+    if origin is None or "*" in allowed or origin in allowed:
+        return True
+    netloc = origin.split("://", 1)[-1].rstrip("/")
+    return host is not None and netloc.lower() == host.lower()

@@ -10,7 +10,7 @@
   changes, and the engine itself seats the first in line (on the model thread) once room frees, so the
   next message is the session's NewWorld. Nobody polls. The KV page pool is sized from the same sum, so an admitted session never runs out of pages.
 - Condition streams, once per picture: sessions that start from the same pixels read one shared
-  condition stream (lingbot_core/condition_cache.py), so its encoder warm-up runs once per process.
+  condition stream (lingbot_core/blocks/condition_cache.py), so its encoder warm-up runs once per process.
   Each session is still charged a stream of its own; streams kept for pictures no session reads now
   stay within the condition reserve (`condition_cache_bytes`).
 - One owner: the engine holds every session's state; its consumer learns of it only from the tagged
@@ -41,208 +41,50 @@ tables, outboxes and the job queue and is never held during model work. Order: `
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
 import uuid
 from collections import OrderedDict, deque
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import numpy as np
-import torch
 
-from ..condition_cache import ConditionCache
-from ..events import Event
-from ..offline import RenderRequest
-from ..pipeline import Pipeline
-from ..requests import StartRequest
-from ..startup import StartupLog, maybe_stage
-from ..video import H264Writer, frames_to_uint8
-from ..pages import PageAllocator
-from ..held_bytes import held_bytes
-from .memory import plan_memory
-from .renders import (RenderDone, RenderFailed, RenderJob, RenderLimits, RenderLine, RenderProgress,
-                      RenderRefusedError)
-from .session import Replay, Session, SessionStatus
+from lingbot_core.blocks.condition_cache import ConditionCache
+from lingbot_core.boundary.events import Event
+from lingbot_core.boundary.offline import RenderRequest
+from lingbot_core.blocks.pipeline import Pipeline
+from lingbot_core.boundary.requests import StartRequest
+from lingbot_core.process.startup import StartupLog, maybe_stage
+from lingbot_core.boundary.video import H264Writer, frames_to_uint8
+from lingbot_core.blocks.pages import PageAllocator
+from lingbot_core.serving.contract import (Admission, AdmissionRefused, Block, CloseCause, Closed, ClosedSessions,
+                                           EngineConfig, Failed, Frames, Message, NewWorld, RenderFailedError,
+                                           RenderRefused, Ticket)
+from lingbot_core.serving.line import post_positions, read_outbox, unwatched
+from lingbot_core.serving.memory import plan_memory
+from lingbot_core.serving.renders import (RenderDone, RenderFailed, RenderJob, RenderLine, RenderProgress,
+                                          RenderRefusedError)
+from lingbot_core.serving.replay import Replay
+from lingbot_core.serving.scheduler import Scheduler
+from lingbot_core.serving.session import Session, SessionStatus
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class AdmissionRefused(RuntimeError):
-    """The server cannot take another session now and its waiting line is full."""
-
-
-class RenderRefused(ValueError):
-    """An offline render this backend cannot take now (its line is full, its owner has one in it) or cannot do
-    right (the remote backend: a trajectory, a prompt switch); the message says why."""
-
-
-class RenderFailedError(RuntimeError):
-    """An offline render's block failed (or the server went down); no file is left."""
-
-
-class UnknownSession(KeyError):
-    """No live session has this id (closed, evicted, or never existed)."""
-
-    def __init__(self, session_id: str, reason: str | None = None) -> None:
-        super().__init__(session_id)
-        self.reason = reason
-
-    def __str__(self) -> str:
-        if self.reason is not None:
-            return f"session {self.args[0]!r} is closed: {self.reason}"
-        return f"no live session {self.args[0]!r}: it was closed, evicted after idling, or never existed"
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    memory_budget_bytes: int | None = None  # None: memory_fraction of what the device has free at start
-    # None: serving/memory.DEFAULT_MEMORY_FRACTION for the device (0.9 of a GPU, 0.5 of a CPU host).
-    memory_fraction: float | None = None
-    max_sessions: int | None = None  # an extra cap on top of the byte budget
-    max_lead_blocks: int = 1  # blocks a session may run ahead of its consumer
-    idle_ttl_s: float = 120.0  # no input (events or a reset) for this long closes a session (the one idle policy)
-    evictable_after_s: float = 10.0  # idle this long: may be evicted (LRU) to admit a newcomer
-    max_waiting: int = 8  # places in line before newcomers are refused
-    ticket_ttl_s: float = 30.0  # a place in line whose outbox nobody reads for this long leaves the line
-    max_queued_events: int = 64
-    worker_poll_s: float = 0.5  # the idle worker wakes this often to apply the TTL
-    remembered_closes: int = 256  # closed ids whose reason is still reported to late callers
-    # Condition streams kept for start pictures no session is reading now (e.g. the example images), so a
-    # later session from the same picture skips the encoder warm-up. None: room for 4 streams at their largest.
-    condition_cache_bytes: int | None = None
-    renders: RenderLimits = RenderLimits()  # offline renders: the line's bounds and their priority (serving/renders.py)
-
-    def __post_init__(self) -> None:
-        if self.max_lead_blocks < 1:
-            raise ValueError(f"max_lead_blocks must be at least 1, got {self.max_lead_blocks}")
-        if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
-            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
-
-
-class Admission(enum.Enum):
-    ADMITTED = "admitted"
-    WAITING = "waiting"
-
-
-@dataclass(frozen=True)
-class Ticket:
-    admission: Admission
-    session_id: str  # the outbox to read (`next_message`): the session's, or while waiting its place in line's
-    position: int | None = None  # when waiting: 1 = next in line (later places come as Waiting messages)
-
-
-# ---------------------------------------------------------------------------------------------
-# What a session's consumer receives, in order, from its outbox (`next_message`)
-
-
-@dataclass(frozen=True)
-class Waiting:
-    """The consumer's place in line (1 = next): once on joining, then whenever it changes. NewWorld follows
-    when the engine seats it; Closed if it leaves the line (withdrawn, unread for ticket_ttl_s, shutdown)."""
-
-    position: int
-
-
-@dataclass(frozen=True)
-class NewWorld:
-    """A world starts: first in every outbox, and again after each reset. No block of an earlier world
-    follows it. `replay` is the new world's replay header (no blocks yet): the consumer's copy to extend
-    with each Block's `replay_entry`, so it never reads the session's own log."""
-
-    replay: Replay
-
-
-@dataclass
-class Block:
-    """One block: its pixels and latents, the figures the UI shows, and what it adds to the replay."""
-
-    block_index: int
-    pixels: np.ndarray  # [T, H, W, 3] uint8, ready to encode (converted on the model thread)
-    latents: torch.Tensor | None  # [1, z, F, h, w] clean, normalised, on the CPU; None from a remote server
-    stage_ms: dict[str, float]
-    block_ms: float
-    replay_entry: dict[str, Any]  # the replay log's record of this block (key sets, event ids, a new prompt)
-    # The camera path the block was generated along (a few hundred bytes, not counted in nbytes): each latent
-    # frame's pose [F, 4, 4] and the pose before the block [4, 4] (its Plücker anchor). A consumer can
-    # render the true scene along it (lingbot_core/world/ground_truth.py).
-    poses: np.ndarray | None = None
-    start_pose: np.ndarray | None = None
-    # A remote block's server and figures (lingbot_core/remote/backend.py): server, forward_ms, total_ms, bytes.
-    source: dict[str, Any] | None = None
-
-    @property
-    def event_ids(self) -> tuple[int, ...]:
-        """The events this block applied."""
-        return tuple(self.replay_entry["event_ids"])
-
-    @property
-    def nbytes(self) -> int:
-        return self.pixels.nbytes + held_bytes(self.latents)
-
-
-@dataclass(frozen=True)
-class Failed:
-    """A block failed; the session is intact and goes on (or waits for new input, if it had none)."""
-
-    text: str
-    waiting_for_input: bool = False  # the session runs no block until new input (or a reset) arrives
-
-
-@dataclass(frozen=True)
-class Closed:
-    """The session is gone; last in its outbox, and the answer to every later `next_message`."""
-
-    reason: str
-    idle: bool = False  # closed by the idle policy (no input for idle_ttl_s), not by anyone's request
-
-
-Message = Waiting | NewWorld | Block | Failed | Closed
-
-
-class ClosedSessions:
-    """Why the most recently closed sessions ended (the newest `limit`), so a late reader or a late verb on
-    a closed id learns the reason. Every backend keeps one; callers hold their own lock around it."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._reasons: OrderedDict[str, Closed] = OrderedDict()
-
-    def remember(self, session_id: str, closed: Closed) -> None:
-        self._reasons[session_id] = closed
-        while len(self._reasons) > self.limit:
-            self._reasons.popitem(last=False)
-
-    def message(self, session_id: str) -> Closed:
-        """Why it closed; UnknownSession for an id never seen or long forgotten."""
-        closed = self._reasons.get(session_id)
-        if closed is None:
-            raise UnknownSession(session_id)
-        return closed
-
-    def find_open(self, sessions: dict[str, T], session_id: str) -> T:
-        """`sessions[session_id]` (a backend's open sessions); for an id not open, UnknownSession with the
-        reason it closed when that is remembered."""
-        session = sessions.get(session_id)
-        if session is None:
-            closed = self._reasons.get(session_id)
-            raise UnknownSession(session_id, closed.reason if closed is not None else None)
-        return session
-
-
 class _Queued:
     """A place in line: the parsed request the engine will open a session from, and the outbox its consumer
     reads meanwhile (under the id the session will have)."""
 
-    def __init__(self, request: StartRequest, now: float, first_events: tuple[Event, ...] = ()) -> None:
+    def __init__(self, request: StartRequest, now: float, first_events: tuple[Event, ...] = (),
+                 early_frames: bool = False) -> None:
         self.request = request
         self.first_events = first_events
+        self.early_frames = early_frames
         self.outbox: deque[Message] = deque()
         self.position = 0  # the last position posted (0: none yet)
         self.seen = now  # last time its consumer read (or waited on) the outbox: the line's TTL
@@ -252,8 +94,9 @@ class _Queued:
 class _Live:
     """The engine's bookkeeping around one session."""
 
-    def __init__(self, session: Session, unread: deque[Message] | None = None) -> None:
+    def __init__(self, session: Session, unread: deque[Message] | None = None, early_frames: bool = False) -> None:
         self.session = session
+        self.early_frames = early_frames  # post each block's frames as they are decoded (Frames)
         # Waiting messages its consumer has not read yet come first, then the world.
         self.outbox: deque[Message] = deque(unread or ())
         self.outbox.append(NewWorld(session.replay))
@@ -262,10 +105,33 @@ class _Live:
         # this (engine clock), and a taken block holds the next one back until the consumer says when.
         self.paced = False
         self.start_at = 0.0
+        self.position = 0  # the line's fields, so its consumer reads it as it read its place (serving/line.py)
+        self.seen = 0.0
+        self.readers = 0
 
     @property
     def blocks_waiting(self) -> int:
         return sum(isinstance(m, Block) for m in self.outbox)
+
+
+class _EarlyFrames:
+    """Posts a block's frames as Frames messages as they are decoded (model thread), for an early_frames session."""
+
+    def __init__(self, engine: "Engine", live: _Live, started: float) -> None:
+        config, block = engine.model_config, live.session.block_index
+        self.engine, self.live, self.started, self.block_index = engine, live, started, block
+        self.total = config.pixel_frames_for_blocks(block + 1) - (config.pixel_frames_for_blocks(block) if block else 0)
+        self.done = 0
+        self.first_frame_ms: float | None = None
+
+    def post(self, frames) -> None:
+        if self.first_frame_ms is None:
+            self.first_frame_ms = 1000.0 * (time.perf_counter() - self.started)
+        pixels = frames_to_uint8(frames)
+        with self.engine._lock:
+            self.live.outbox.append(Frames(self.block_index, self.done, self.total, pixels))
+            self.engine._changed.notify_all()
+        self.done += len(pixels)
 
 
 class Engine:
@@ -287,6 +153,7 @@ class Engine:
         self._jobs: deque[tuple[Callable[[], Any], Future]] = deque()  # model work for the worker, in order
         self._prewarm: deque[Any] = deque()  # SharedCondition streams to encode while no session needs the model
         self._renders = RenderLine(config.renders, clock)  # offline renders, a block at a time below live worlds
+        self._scheduler = Scheduler(lambda: self.config, clock)  # which block runs next (serving/scheduler.py)
         self._stopped = False
         self._worker_running = False  # set and cleared under _lock: whether queued jobs will be run
         self._worker: threading.Thread | None = None
@@ -320,6 +187,13 @@ class Engine:
     def model_config(self):
         """The model's config (frame size, rate, block length), as every backend gives it."""
         return self.pipeline.config
+
+    def describe(self) -> str:
+        """Where this backend's worlds are made, for the page: the precision and why."""
+        precision = self.pipeline.precision
+        if precision is None:
+            return ""
+        return f"Precision **{precision.name}**: {precision.reason}."
 
     def prompt_notice(self, prompt: str) -> str | None:
         """What the model will not read of a cleaned prompt (past its token limit), in words; None when it reads
@@ -366,13 +240,14 @@ class Engine:
         return plan.fits(len(sessions) + 1) and self.pages.can_allocate(
             still_to_fill + plan.pages_per_session + max(plan.block_pages - running_block, 0))
 
-    def admit(self, request: StartRequest, first_events: tuple[Event, ...] = ()) -> Ticket:
+    def admit(self, request: StartRequest, first_events: tuple[Event, ...] = (), early_frames: bool = False) -> Ticket:
         """Open a session if it fits and nobody is ahead in line; otherwise a place in line, whose outbox
         (`next_message` with the ticket's session_id) tells its position and then the new world.
 
-        `request` was parsed at the boundary (lingbot_core/requests.py: picture fitted, prompt cleaned), on
+        `request` was parsed at the boundary (lingbot_core/boundary/requests.py: picture fitted, prompt cleaned), on
         the caller's thread, never the model thread. `first_events` are queued before the session can run,
-        so they apply to its first block (a protocol init's camera actions). Raises AdmissionRefused when
+        so they apply to its first block (a protocol init's camera actions). early_frames: its outbox also gets
+        each block's frames as they are decoded (Frames), ahead of the Block. Raises AdmissionRefused when
         the line is full.
         """
         with self._lock:
@@ -380,21 +255,21 @@ class Engine:
                 raise AdmissionRefused("the server is shutting down")
             self._expire_tickets_locked()
             if self._waiting or not self._room_locked():
-                return self._join_line_locked(request, first_events)
-        return self._on_model_thread(lambda: self._open_session(request, first_events))
+                return self._join_line_locked(request, first_events, early_frames)
+        return self._on_model_thread(lambda: self._open_session(request, first_events, early_frames))
 
-    def _open_session(self, request: StartRequest, first_events: tuple[Event, ...]) -> Ticket:
+    def _open_session(self, request: StartRequest, first_events: tuple[Event, ...], early_frames: bool) -> Ticket:
         """The admission's model work; runs under the step lock, so no block or other admission interleaves."""
         with self._lock:
             # Another admission may have taken the room while this one waited for the model thread.
             if self._waiting or not self._room_locked():
-                return self._join_line_locked(request, first_events)
+                return self._join_line_locked(request, first_events, early_frames)
         session_id = uuid.uuid4().hex
-        self._seat(session_id, request, None, first_events)
+        self._seat(session_id, request, None, first_events, early_frames)
         return Ticket(Admission.ADMITTED, session_id=session_id)
 
     def _seat(self, session_id: str, request: StartRequest, queued: _Queued | None,
-              first_events: tuple[Event, ...] = ()) -> None:
+              first_events: tuple[Event, ...] = (), early_frames: bool = False) -> None:
         """Open a session (model work: step lock held, table lock not), evicting the LRU idle one if the
         room is only there once it goes. A place in line stays in the line (its consumer reads it there)
         until its session is in the table, so the id always names one or the other."""
@@ -416,7 +291,8 @@ class Engine:
                     return
                 del self._waiting[session_id]
                 self._post_positions_locked()
-            self._sessions[session_id] = _Live(session, queued.outbox if queued is not None else None)
+            early = queued.early_frames if queued is not None else early_frames
+            self._sessions[session_id] = _Live(session, queued.outbox if queued is not None else None, early)
             self._changed.notify_all()
 
     def _seat_waiting(self) -> None:
@@ -432,60 +308,51 @@ class Engine:
                 self._seat(session_id, queued.request, queued)
             except Exception as exc:  # this request cannot start (e.g. out of memory); the line goes on
                 log.warning("session %s could not start: %s", session_id, repr(exc))
-                self.withdraw(session_id, f"the world could not start: {type(exc).__name__}: {str(exc)[:300]}")
+                self.withdraw(session_id, f"the world could not start: {type(exc).__name__}: {str(exc)[:300]}",
+                              CloseCause.FAILED)
 
-    def withdraw(self, session_id: str, reason: str = "left the line") -> bool:
+    def withdraw(self, session_id: str, reason: str = "left the line", cause: CloseCause = CloseCause.USER) -> bool:
         """Leave the line at once (the viewer went away), rather than after ticket_ttl_s; whether it was in it."""
         with self._lock:
             if self._waiting.pop(session_id, None) is None:
                 return False
-            self._remember_closed_locked(session_id, Closed(reason))
+            self._remember_closed_locked(session_id, Closed(reason, cause))
             self._post_positions_locked()
             return True
 
     def _room_locked(self) -> bool:
-        return self._fits_locked() or self._lru_idle_locked() is not None
+        return self._fits_locked() or self._scheduler.evictable(self._sessions) is not None
 
-    def _join_line_locked(self, request: StartRequest, first_events: tuple[Event, ...] = ()) -> Ticket:
+    def _join_line_locked(self, request: StartRequest, first_events: tuple[Event, ...] = (),
+                          early_frames: bool = False) -> Ticket:
         if len(self._waiting) >= self.config.max_waiting:
             raise AdmissionRefused(f"the server is full ({len(self._sessions)} worlds running, "
                                    f"{len(self._waiting)} waiting); try again in a minute")
         session_id = uuid.uuid4().hex
-        self._waiting[session_id] = _Queued(request, self.clock(), first_events)
+        self._waiting[session_id] = _Queued(request, self.clock(), first_events, early_frames)
         self._post_positions_locked()
         return Ticket(Admission.WAITING, session_id=session_id, position=len(self._waiting))
 
     def _post_positions_locked(self) -> None:
-        """Tell each place in line whose position changed (or was never told) where it stands now."""
-        for position, queued in enumerate(self._waiting.values(), start=1):
-            if queued.position != position:
-                queued.position = position
-                queued.outbox.append(Waiting(position))
+        post_positions(self._waiting.values())
         self._changed.notify_all()
 
-    def _lru_idle_locked(self) -> str | None:
-        """The least recently used session idle long enough to be evicted, if any."""
-        now = self.clock()
-        idle = [(max(live.session.last_input, live.session.last_consumed), session_id)
-                for session_id, live in self._sessions.items()
-                if now - max(live.session.last_input, live.session.last_consumed) >= self.config.evictable_after_s]
-        return min(idle)[1] if idle else None
-
     def _evict_lru_idle_locked(self) -> bool:
-        victim = self._lru_idle_locked()
+        victim = self._scheduler.evictable(self._sessions)
         if victim is None:
             return False
-        self._close_locked(victim, "evicted after idling to make room for a new session")
+        self._close_locked(victim, "evicted after idling to make room for a new session", CloseCause.EVICTED)
         return True
 
     def _expire_tickets_locked(self) -> None:
         """A place in line whose outbox nobody has read or waited on for ticket_ttl_s leaves the line."""
-        now, ttl = self.clock(), self.config.ticket_ttl_s
-        expired = [session_id for session_id, queued in self._waiting.items()
-                   if queued.readers == 0 and now - queued.seen > ttl]
+        ttl = self.config.ticket_ttl_s
+        gone = {id(place) for place in unwatched(list(self._waiting.values()), self.clock(), ttl)}
+        expired = [session_id for session_id, place in self._waiting.items() if id(place) in gone]
         for session_id in expired:
             del self._waiting[session_id]
-            self._remember_closed_locked(session_id, Closed(f"left the line: nobody waited for {ttl:.0f} s"))
+            self._remember_closed_locked(session_id, Closed(f"left the line: nobody waited for {ttl:.0f} s",
+                                                            CloseCause.IDLE))
         if expired:
             self._post_positions_locked()
 
@@ -522,38 +389,22 @@ class Engine:
         """The next message for this session's consumer (or its place in line's); None on timeout (0: do not
         wait). A closed session, or a place that left the line, answers with its Closed message (an id never
         seen raises UnknownSession). Seating moves a place's unread messages into the session's outbox."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def taken(holder, message) -> None:
+            if isinstance(holder, _Live):
+                holder.session.last_consumed = self.clock()  # waiting for video counts as watching
+                if holder.paced and isinstance(message, Block):
+                    holder.start_at = float("inf")  # the next block waits for its consumer's `pace`
+
+        def holder():
+            found = self._sessions.get(session_id) or self._waiting.get(session_id)
+            if isinstance(found, _Live):
+                found.session.last_consumed = self.clock()
+            return found
+
         with self._lock:
-            reading: _Queued | None = None  # the place in line this call counts as watched, if any
-            try:
-                while True:
-                    holder = self._sessions.get(session_id) or self._waiting.get(session_id)
-                    if holder is not reading and reading is not None:
-                        reading.readers -= 1  # seated or gone: no longer this place's reader
-                        reading = None
-                    if holder is None:  # closed, or left the line (its Closed comes from the table)
-                        return self._closed.message(session_id)
-                    if isinstance(holder, _Live):
-                        holder.session.last_consumed = self.clock()  # waiting for video counts as watching
-                    else:
-                        holder.seen = self.clock()
-                        if reading is None:
-                            reading = holder
-                            holder.readers += 1
-                    if holder.outbox:
-                        message = holder.outbox.popleft()
-                        if isinstance(holder, _Live) and holder.paced and isinstance(message, Block):
-                            holder.start_at = float("inf")  # the next block waits for its consumer's `pace`
-                        self._changed.notify_all()  # room in the outbox: the worker may run this session
-                        return message
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        return None
-                    self._changed.wait(remaining)
-            finally:
-                if reading is not None:
-                    reading.readers -= 1
-                    reading.seen = self.clock()
+            return read_outbox(self._changed, holder, lambda: self._closed.message(session_id), self.clock,
+                               timeout, taken)
 
     def pace(self, session_id: str, start_in_s: float) -> None:
         """Just in time: start this session's next block `start_in_s` seconds from now (0 or less: at once),
@@ -566,27 +417,27 @@ class Engine:
             live.start_at = self.clock() + start_in_s
             self._changed.notify_all()
 
-    def close(self, session_id: str, reason: str = "closed") -> None:
+    def close(self, session_id: str, reason: str = "closed", cause: CloseCause = CloseCause.USER) -> None:
         """Close a session (by the user, or on consumer disconnect), or take its place out of the line;
         idempotent, returns every page, and seats whoever the room now fits."""
-        if self.withdraw(session_id, reason):
+        if self.withdraw(session_id, reason, cause):
             return
 
         def work() -> None:
             with self._lock:
-                self._close_locked(session_id, reason)
+                self._close_locked(session_id, reason, cause)
             self._seat_waiting()
 
         self._on_model_thread(work)
 
-    def _close_locked(self, session_id: str, reason: str, idle: bool = False) -> None:
+    def _close_locked(self, session_id: str, reason: str, cause: CloseCause) -> None:
         """Needs the step lock (the pool is touched) and the table lock."""
         live = self._sessions.pop(session_id, None)
         if live is None:
             return
         live.session.close()
         live.outbox.clear()  # finished blocks nobody will take: drop their frames now
-        self._remember_closed_locked(session_id, Closed(reason, idle))
+        self._remember_closed_locked(session_id, Closed(reason, cause))
 
     def _remember_closed_locked(self, session_id: str, closed: Closed) -> None:
         """Why a session closed (or a place left the line), for its consumer's next_message and late callers."""
@@ -673,12 +524,6 @@ class Engine:
                     continue
             self._render_block(force=True)
 
-    def _live_block_due_locked(self, within_s: float) -> bool:
-        """Whether a live session will want the model within `within_s` (a paced start, or one runnable now)."""
-        now = self.clock()
-        return any(self._may_run_locked(live) and live.blocks_waiting < self.config.max_lead_blocks
-                   and live.start_at - now < within_s for live in self._sessions.values())
-
     def _render_block(self, force: bool = False, after_live: bool = False) -> bool:
         """One block of the first render in line, if its requester has room for it and no live block is due
         before it would end; whether one ran. A render that has waited its longest (`RenderLimits.max_wait_s`)
@@ -688,8 +533,7 @@ class Engine:
                 job = self._renders.runnable()
                 if job is None or self._stopped:
                     return False
-                starved = after_live and self._renders.starved(job)
-                if not force and not starved and self._live_block_due_locked(self._renders.block_s):
+                if not force and not self._scheduler.render_may_run(self._sessions, self._renders, job, after_live):
                     return False
             started = time.perf_counter()
             try:
@@ -742,7 +586,7 @@ class Engine:
         Until its stream reaches the fixed point (about ten blocks for the embedded VAE) every block of a
         new picture pays a condition encode, the largest part of an early block on a CPU. The app passes its
         example pictures, so a world started from one runs at full speed from its first block. `pictures`
-        are PIL images fitted to the model's size (as StartRequest.picture: lingbot_core/requests.py). The
+        are PIL images fitted to the model's size (as StartRequest.picture: lingbot_core/boundary/requests.py). The
         work goes one block at a time while nobody plays (`warm_one_condition_block`): a start or a queued job
         waits for at most one block's encode, and the streams live in the condition cache within its
         reserve, accounted like any other.
@@ -793,7 +637,7 @@ class Engine:
         """Bytes every live session holds now (committed + in-flight) plus the blocks in their outboxes."""
         with self._lock:
             lives = list(self._sessions.values())
-            outboxes = sum(m.nbytes for live in lives for m in live.outbox if isinstance(m, Block))
+            outboxes = sum(m.nbytes for live in lives for m in live.outbox if isinstance(m, (Block, Frames)))
         sessions = sum(sum(live.session.nbytes().values()) for live in lives)
         return sessions + outboxes + self.conditions.nbytes()  # shared condition streams: once
 
@@ -803,41 +647,11 @@ class Engine:
 
     # -- the worker --------------------------------------------------------------------------------
 
-    def _runnable_locked(self, live: _Live) -> bool:
-        return (self._may_run_locked(live) and live.blocks_waiting < self.config.max_lead_blocks
-                and self.clock() >= live.start_at)
-
-    def _may_run_locked(self, live: _Live) -> bool:
-        return live.session.status is not SessionStatus.CLOSED and not live.waiting_for_input
-
-    def _idle_wait_locked(self) -> float:
-        """How long the idle worker sleeps: until the earliest paced start, at most worker_poll_s."""
-        starts = [live.start_at for live in self._sessions.values()
-                  if self._may_run_locked(live) and live.blocks_waiting < self.config.max_lead_blocks]
-        wait = self.config.worker_poll_s
-        if starts:
-            wait = min(wait, max(min(starts) - self.clock(), 0.001))
-        job = self._renders.runnable()
-        if job is not None:  # a render waiting for a gap runs when it has waited its longest
-            wait = min(wait, max(job.waiting_since + self._renders.limits.max_wait_s - self.clock(), 0.001))
-        return wait
-
-    def _pick_locked(self) -> tuple[str, _Live] | None:
-        """The next session that may run, round-robin: it moves to the back of the order."""
-        for session_id, live in self._sessions.items():
-            if self._runnable_locked(live):
-                self._sessions.move_to_end(session_id)
-                return session_id, live
-        return None
-
     def _expire_idle_locked(self) -> None:
-        """The one idle policy: a session nobody has given input (an event or a reset) for idle_ttl_s closes,
-        watched or not, so a forgotten tab does not keep its seat."""
-        now = self.clock()
+        """The one idle policy (serving/scheduler.py): no input for idle_ttl_s closes a session."""
         ttl = self.config.idle_ttl_s
-        for session_id, live in list(self._sessions.items()):
-            if now - live.session.last_input > ttl:
-                self._close_locked(session_id, f"no input for {ttl:.0f} s", idle=True)
+        for session_id in self._scheduler.idle_expired(self._sessions):
+            self._close_locked(session_id, f"no input for {ttl:.0f} s", CloseCause.IDLE)
 
     def run_once(self) -> str | None:
         """Advance one runnable session by one block: its id, or None if none could run.
@@ -849,15 +663,16 @@ class Engine:
                 self._expire_idle_locked()
             self._seat_waiting()  # room an idle close, a departure or an eviction made
             with self._lock:
-                picked = self._pick_locked()
+                picked = self._scheduler.pick(self._sessions)
                 if picked is None:
                     return None
                 session_id, live = picked
             started = time.perf_counter()
             rollout = live.session.rollout  # read under the step lock: the pose this block starts from
             start_pose = rollout.camera.pose.copy() if rollout is not None else None
+            early = _EarlyFrames(self, live, started) if live.early_frames else None
             try:
-                output = live.session.step()
+                output = live.session.step(on_frames=early.post) if early is not None else live.session.step()
                 self.conditions.trim()  # the block may have grown a shared stream
             except Exception as exc:  # the session is intact; tell its consumer
                 log.warning("session %s: block %d failed: %s", session_id, live.session.block_index, repr(exc))
@@ -881,7 +696,8 @@ class Engine:
             block_ms = 1000.0 * (time.perf_counter() - started)
             message = Block(output.block_index, frames_to_uint8(output.frames), output.latents.cpu(),
                             output.stage_ms, block_ms, live.session.replay_entry(output.block_index),
-                            np.asarray(output.poses), start_pose)
+                            np.asarray(output.poses), start_pose,
+                            first_frame_ms=early.first_frame_ms if early is not None else None)
             with self._lock:
                 live.outbox.append(message)
                 self._changed.notify_all()
@@ -917,8 +733,8 @@ class Engine:
             if ran is None:
                 with self._lock:
                     if not self._stopped and not self._jobs and not any(
-                            self._runnable_locked(live) for live in self._sessions.values()):
-                        self._changed.wait(self._idle_wait_locked())
+                            self._scheduler.runnable(live) for live in self._sessions.values()):
+                        self._changed.wait(self._scheduler.idle_wait(self._sessions, self._renders))
 
     def _stop_worker(self) -> None:
         """Stop the worker after the jobs already queued; later model work runs in its callers' threads."""
@@ -936,9 +752,9 @@ class Engine:
                 self._end_render(job, RenderFailed("the server is shutting down"))
             with self._lock:
                 for session_id in list(self._sessions):
-                    self._close_locked(session_id, "server shutting down")
+                    self._close_locked(session_id, "server shutting down", CloseCause.SHUTDOWN)
                 for session_id in list(self._waiting):
-                    self.withdraw(session_id, "server shutting down")
+                    self.withdraw(session_id, "server shutting down", CloseCause.SHUTDOWN)
 
     def __enter__(self) -> "Engine":
         return self

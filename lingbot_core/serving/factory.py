@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
-from ..config import tiny_config
-from ..pipeline import load_pipeline
-from ..precision import AUTO
-from ..startup import StartupLog
-from .engine import Engine, EngineConfig
+from lingbot_core.config import TEST_PRESETS
+from lingbot_core.blocks.pipeline import load_pipeline
+from lingbot_core.process.precision import AUTO
+from lingbot_core.process.startup import StartupLog
+from lingbot_core.serving.contract import EngineConfig
+from lingbot_core.serving.engine import Engine
 
-TEST_PRESETS = {"tiny": tiny_config}
 
 
 def default_device() -> str:
@@ -36,12 +36,12 @@ def create_engine(model: str | None = None, *, device: str | None = None, dtype:
     """Load the model (embedded by default, never downloaded unless a Hub id is chosen) and start an engine.
 
     model: "embedded", a local diffusers-format folder or a Hub repo id; default $LINGBOT_MODEL or embedded.
-    dtype: "auto" (lingbot_core/precision.py decides and says why), "bf16" or "fp32".
+    dtype: "auto" (lingbot_core/process/precision.py decides and says why), "bf16" or "fp32".
     preset: tests only ("tiny", or $LINGBOT_TEST_PRESET): the embedded model at a test size. A test preset
     runs in fp32 under "auto": it checks the machinery, and fp32 is fast on every CPU (bf16 is emulated,
     ~20x slower, on CPUs without AMX or AVX512-BF16), so the tests take the same time everywhere.
-    compile: None compiles where it pays (CUDA; the embedded model on a CPU, built in the background while
-    the first blocks run eager; see load_pipeline), True/False force it.
+    compile: None compiles where it pays (CUDA; on a CPU a model measured to pay, none yet; see load_pipeline),
+    True/False force it.
     log: prints each start-up stage with its time.
     """
     source = model or os.environ.get("LINGBOT_MODEL") or "embedded"

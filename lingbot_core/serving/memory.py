@@ -6,7 +6,7 @@ everything the engine admits by: the bytes a session holds between blocks at its
 blocks its consumer has not taken (`session_bytes`), the bytes the one running block adds
 (`block_reserve`), the reserve for shared condition streams, the budget, how many sessions fit
 (`capacity`) and the page pool's size (`pool_pages`). Admission and pool sizing read the same plan, so an
-admitted session never runs out of pages. `held_bytes` (lingbot_core/held_bytes.py) is the one way bytes
+admitted session never runs out of pages. `held_bytes` (lingbot_core/model/held_bytes.py) is the one way bytes
 are counted, for the probe, for a live session's and a VAE stream's `nbytes` and for the tests that check
 accounted == held.
 """
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..held_bytes import held_bytes
-from ..kv_cache import BlockKV, KVPagePool
-from ..model import vae_stream
-from ..video import frames_to_uint8
+from lingbot_core.model.held_bytes import held_bytes
+from lingbot_core.blocks.kv_cache import BlockKV, KVPagePool
+from lingbot_core.model import vae_stream
+from lingbot_core.boundary.video import frames_to_uint8
 
 
 
@@ -203,7 +203,8 @@ def plan_memory(pipeline, *, budget_bytes: int | None, fraction: float | None, m
         torch.cuda.reset_peak_memory_stats(device)
     footprint = measure_footprint(pipeline)
     # The running block's own bytes, and the KV window its transformer stages gather (the worker's, not a
-    # session's: freed before the block decodes, so no session's in-flight bytes include it).
+    # session's: freed after the block's commit forward, so no session's in-flight bytes include it; the
+    # decode runs while it is held, and the plan reserves both at once).
     block_reserve = footprint.in_flight + BlockKV.window_nbytes(pipeline.config, pipeline.dtype)
     if cuda:
         transient = torch.cuda.max_memory_allocated(device) - base - (

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..offline import RenderRequest
+from lingbot_core.boundary.offline import RenderRequest
 
 
 @dataclass(frozen=True)

@@ -21,21 +21,22 @@ from __future__ import annotations
 
 import copy
 import enum
-import json
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..condition_cache import ConditionCache
-from ..events import Event, EventError, ScriptEvent, accept_event, block_keys
-from ..image import image_digest
-from ..kv_cache import KVPagePool
-from ..pages import PageAllocator
-from ..requests import StartRequest
-from ..rollout import BlockControl, BlockOutput, RolloutState, release
-from .memory import Footprint, committed_bytes, in_flight_bytes
+from lingbot_core.blocks.condition_cache import ConditionCache
+from lingbot_core.boundary.events import Event, EventError, ScriptEvent, accept_event, block_keys
+from lingbot_core.boundary.image import image_digest
+from lingbot_core.blocks.kv_cache import KVPagePool
+from lingbot_core.blocks.pages import PageAllocator
+from lingbot_core.boundary.requests import StartRequest
+from lingbot_core.boundary.requests import BlockControl
+from lingbot_core.blocks.rollout import BlockOutput, RolloutState, release
+from lingbot_core.serving.memory import Footprint, committed_bytes, in_flight_bytes
+from lingbot_core.serving.replay import Replay
 
 
 class SessionStatus(enum.Enum):
@@ -46,49 +47,6 @@ class SessionStatus(enum.Enum):
 
 class SessionClosed(RuntimeError):
     """The session was closed (by the user, a disconnect, the idle policy or eviction)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Replay
-
-
-@dataclass
-class Replay:
-    """Enough to regenerate the identical latents offline: image hash, seed, prompts and per-block keys.
-
-    Each block records the key set of each latent frame it applied, the ids of the events it consumed
-    and, when the text changed at that block, the new prompt.
-    """
-
-    model: str
-    image_sha256: str
-    seed: int
-    prompt: str
-    blocks: list[dict[str, Any]] = field(default_factory=list)
-    dtype: str | None = None  # bit-identical latents need the same dtype (and device kind) offline
-
-    def copy(self) -> "Replay":
-        return replace(self, blocks=copy.deepcopy(self.blocks))
-
-    def to_json(self) -> str:
-        return json.dumps({"model": self.model, "dtype": self.dtype, "image_sha256": self.image_sha256,
-                           "seed": self.seed, "prompt": self.prompt, "blocks": self.blocks}, indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> "Replay":
-        raw = json.loads(text)
-        return cls(model=raw["model"], image_sha256=raw["image_sha256"], seed=int(raw["seed"]),
-                   prompt=raw["prompt"], blocks=list(raw["blocks"]), dtype=raw.get("dtype"))
-
-    def to_events_jsonl(self) -> str:
-        """The action script that `python -m lingbot_core.generate --events` replays block for block."""
-        lines = []
-        for index, block in enumerate(self.blocks):
-            event = {"event_id": index, "frames": block["frames"]}
-            if "prompt" in block:
-                event["prompt"] = block["prompt"]
-            lines.append(json.dumps(event))
-        return "".join(line + "\n" for line in lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,7 +98,7 @@ class Session:
 
     def _start(self, request: StartRequest) -> None:
         """Build the new world first; only then drop the old one, so a start that fails changes nothing.
-        The request was parsed at the boundary (lingbot_core/requests.py) and is trusted here."""
+        The request was parsed at the boundary (lingbot_core/boundary/requests.py) and is trusted here."""
         rollout = self.pipeline.start_request(request, conditions=self.conditions)
         replay = Replay(self.pipeline.config.name, image_digest(request.picture), request.seed, request.prompt,
                         dtype=str(self.pipeline.dtype).removeprefix("torch."))
@@ -236,11 +194,11 @@ class Session:
 
     # -- the block ---------------------------------------------------------------------------------
 
-    def step(self, on_stage: Callable[[str], None] | None = None) -> BlockOutput:
+    def step(self, on_stage: Callable[[str], None] | None = None, on_frames=None) -> BlockOutput:
         """Run one block; commit everything or nothing.
 
         on_stage(name) is called before each stage: "text" (only when the prompt changes), then the
-        rollout's "condition", "denoise", "commit", "decode" and "done". Raising from it fails the block.
+        rollout's "condition", "denoise", "decode", "commit" and "done". Raising from it fails the block.
         """
         with self._lock:
             self._check_open()
@@ -253,7 +211,9 @@ class Session:
                 if on_stage is not None:
                     on_stage("text")
                 state = self.pipeline.with_prompt(state, plan.control.prompt)  # text K/V once per switch
-            output, committed = self.pipeline.step(self.pool, self.pages, state, plan.control, on_stage=on_stage)
+            early = {"on_frames": on_frames} if on_frames is not None else {}  # only for a viewer that wants them
+            output, committed = self.pipeline.step(self.pool, self.pages, state, plan.control, on_stage=on_stage,
+                                                   **early)
         except BaseException as exc:
             with self._lock:
                 self._in_flight = {}

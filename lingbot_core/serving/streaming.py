@@ -29,30 +29,35 @@ viewer is refused. A viewer holds at most `max_streams_per_viewer` streams (a wo
 line) and one client address at most `max_streams_per_address`, so a few anonymous requests cannot
 take every seat and every place in line; a stream whose updates nobody reads for `unread_timeout_s`
 gives its seat or place back. Nothing here holds tensors beyond one block's frames in flight:
-the engine owns the sessions; this module keeps session ids and recordings (lingbot_core/video.py).
+the engine owns the sessions; this module keeps session ids and recordings (lingbot_core/boundary/video.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import shutil
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
-from .. import requests
-from ..events import EventError, parse_actions
-from ..user_text import quote
-from ..video import Recording
-from .clients import ClientGate, ClientLimits, LimitReached
-from .engine import Admission, AdmissionRefused, Block, Closed, Engine, Failed, NewWorld, UnknownSession, Waiting
-from .session import SessionStatus
+from lingbot_core.boundary import requests
+from lingbot_core.boundary.events import EventError, parse_actions
+from lingbot_core.boundary.user_text import quote
+from lingbot_core.boundary.video import Recording
+from lingbot_core.serving.clients import ClientGate, ClientLimits, LimitReached
+from lingbot_core.serving.contract import (Admission, AdmissionRefused, Backend, Block, CloseCause, Closed, Failed,
+                                           Frames, NewWorld, UnknownSession, Waiting)
+from lingbot_core.serving.pacing import AdaptiveLead, PlaybackClock
+from lingbot_core.serving.session import SessionStatus
+from lingbot_core.serving import telemetry
+from lingbot_core.serving.telemetry import telemetry_line, waiting_line
 
 
 
@@ -69,6 +74,12 @@ class StreamConfig:
     # segment's way to the player (muxing, SSE, HLS fetch: ~0.3 s measured here) plus the ~0.1 s a player
     # wants in hand; below that it stalls for a moment every block, above it only adds latency.
     lead_s: float = 0.6
+    # The page's socket player (serving/live_socket.py): a frame reaches the canvas tens of milliseconds after
+    # it is sent, so a small lead plays without stalls and the world stays that much closer to its keys.
+    socket_lead_s: float = 0.2
+    socket_lead_min_s: float = 0.1  # ... and adapts down to this while the player never runs dry
+    socket_delivery_s: float = 0.03
+    player_blocks_queued: int = 32  # frame batches kept for a socket player not (yet) reading; older ones are dropped
     # The lead adapts to each viewer whose page reports its stalls (AdaptiveLead): up by lead_up_s after a
     # block during which the player ran dry although that block had been held back for pacing (a larger lead
     # would have helped), down by lead_down_s after lead_calm_blocks blocks in a row without a stall. An API
@@ -111,125 +122,29 @@ class StreamUpdate:
 
 
 # ---------------------------------------------------------------------------------------------
-# Pacing
-
-
-class PlaybackClock:
-    """Where the viewer's playhead is: reported by the player when it can, else estimated from what was sent.
-
-    `origin` is the wall time at which the playhead would have been at 0 had the player never waited.
-    Estimate: a segment reaches the player `delivery_s` after it is sent, and a player that ran dry
-    resumes when the next one arrives (origin moves forward). A report (`observe`) replaces the estimate:
-    a paused or stalled player stops the clock, so the world waits for its viewer.
-    """
-
-    def __init__(self, delivery_s: float = 0.0) -> None:
-        self.delivery_s = delivery_s
-        self.sent_s = 0.0  # seconds of video sent so far
-        self.origin: float | None = None
-
-    def playhead(self, now: float) -> float:
-        if self.origin is None:
-            return 0.0
-        return min(max(now - self.origin, 0.0), self.sent_s)
-
-    def on_sent(self, duration_s: float, now: float) -> None:
-        arrives = now + self.delivery_s
-        if self.origin is None or arrives - self.origin > self.sent_s:  # first segment, or the viewer ran dry
-            self.origin = arrives - self.sent_s
-        self.sent_s += duration_s
-
-    def observe(self, playhead_s: float, now: float) -> None:
-        self.origin = now - min(max(playhead_s, 0.0), self.sent_s)
-
-    def wait_before_next(self, now: float, lead_s: float) -> float:
-        """Seconds until the playhead is within `lead_s` of the end of the sent video (0: take now)."""
-        if self.origin is None:
-            return 0.0
-        return max(0.0, self.origin + self.sent_s - lead_s - now)
-
-
-class AdaptiveLead:
-    """The pacing lead of one viewer, as small as its playback allows without the player running dry.
-
-    A stall after a block that was held back for pacing means the lead was too short for this viewer's
-    delivery path (muxing, HLS fetch, a busy browser): the lead grows by `lead_up_s`. A stall after a block
-    that started at once is the model's (it made the block slower than it plays) and a longer lead would
-    not have helped: nothing changes. Each `lead_calm_blocks` blocks in a row without a stall take
-    `lead_down_s` back, so the lead finds the least that plays smoothly and follows the machine's load."""
-
-    def __init__(self, config: StreamConfig) -> None:
-        self.config = config
-        self.lead_s = config.lead_s
-        self._calm = 0
-
-    def after_block(self, stalled: bool, held_back: bool) -> float:
-        cfg = self.config
-        if stalled:
-            self._calm = 0
-            if held_back:
-                # Never above lead_max_s, nor below where it started (a configured lead_s may exceed the bound).
-                self.lead_s = min(max(self.lead_s, cfg.lead_max_s), self.lead_s + cfg.lead_up_s)
-        else:
-            self._calm += 1
-            if self._calm >= cfg.lead_calm_blocks:
-                self._calm = 0
-                self.lead_s = max(min(self.lead_s, cfg.lead_min_s), self.lead_s - cfg.lead_down_s)
-        return self.lead_s
-
-
-# ---------------------------------------------------------------------------------------------
-# Telemetry
-
-
-def telemetry_line(block: Block, frames: int, fps: int, status: dict[str, Any] | None,
-                   stats: dict[str, Any], note: str = "", key_ms: float | None = None,
-                   lead_s: float | None = None) -> str:
-    """key_ms: the estimated key press -> first frame on screen latency of the keys this block applied;
-    lead_s: the viewer's adaptive pacing lead (AdaptiveLead), where its page reports stalls."""
-    generated_fps = frames / (block.block_ms / 1000.0) if block.block_ms > 0 else float("inf")
-    parts = [f"block {block.block_index}", f"{block.block_ms:.0f} ms/block",
-             f"{generated_fps:.1f} FPS generated (playback {fps})"]
-    if key_ms is not None:
-        parts.append(f"key → frame ≈ {key_ms:.0f} ms")
-    if lead_s is not None:
-        parts.append(f"lead {lead_s:.2f} s")
-    if block.source is not None:  # a remote server's block: its own figures (chunk_stats)
-        remote = block.source
-        figures = [f"{name} {remote[key]:.0f} ms" for name, key in (("forward", "forward_ms"), ("total", "total_ms"))
-                   if remote.get(key) is not None]
-        parts.append(f"from {remote['server']}: " + ", ".join(figures + [f"{remote['bytes'] / 2**20:.1f} MB"]))
-    if status is not None:
-        parts.append(f"session memory {status['bytes'] / 2**20:.1f} MiB")
-        if status.get("queued_events"):
-            parts.append(f"{status['queued_events']} events queued")
-    parts.append(_load_text(stats))
-    return " · ".join(parts) + (f" — {note}" if note else "")
-
-
-def waiting_line(position: int | None, stats: dict[str, Any]) -> str:
-    return f"waiting in line: position {position} · " + _load_text(stats)
-
-
-def _load_text(stats: dict[str, Any]) -> str:
-    text = f"{stats['active_sessions']}/{stats['capacity']} sessions active"
-    if stats.get("waiting"):
-        text += f", {stats['waiting']} waiting"
-    if "servers_total" in stats:  # the remote backend: one seat per server
-        text += f" on {stats['servers_up']}/{stats['servers_total']} remote servers up"
-        trouble = [f"{stats[key]} {name}" for key, name in (("servers_busy", "busy"), ("servers_down", "down"))
-                   if stats.get(key)]
-        if trouble:
-            text += f" ({', '.join(trouble)})"
-    return text
-
-
-# ---------------------------------------------------------------------------------------------
-# Input checks
-
-
-# ---------------------------------------------------------------------------------------------
 # The service
+
+
+class PlayerChannel:
+    """A stream's frames on their way to the page's socket player (serving/live_socket.py): a bounded queue of
+    (block index, first frame's index in it, frames in the block, uint8 frames), the oldest dropped when the
+    player does not keep up; None ends it."""
+
+    def __init__(self, session_id: str, viewer: str | None, queue: asyncio.Queue) -> None:
+        self.session_id, self.viewer, self.queue = session_id, viewer, queue
+        self.connected = False
+        self.ended: str | None = None
+
+    def put(self, item) -> None:
+        """On the event loop only."""
+        if self.queue.full():
+            self.queue.get_nowait()
+        self.queue.put_nowait(item)
+
+    def end(self, why: str) -> None:
+        if self.ended is None:
+            self.ended = why
+            self.put(None)
 
 
 @dataclass
@@ -249,19 +164,21 @@ class _Record:
     ended_at: float | None = None
     streaming: bool = True  # its generator is running (and may still write segments)
     discarded: bool = False  # its viewer left: delete the recording once nothing writes to it
+    stopped: bool = False  # its viewer pressed Stop: the stream ends on stopped_line
+    player: PlayerChannel | None = None  # the page's socket player, when the stream plays through it
 
 
 STOPPED_BY_USER = "stopped by the user"  # the close reason of Stop: the stream ends on stopped_line for it
 
 
 def stopped_line(record: _Record) -> str:
-    """What a stopped world says, from Stop and from its stream alike (the page shows whichever comes last)."""
-    return f"stopped after {len(record.recording.segments)} block(s) of this world; the rollout can be downloaded"
+    return telemetry.stopped_line(len(record.recording.segments))
 
 
 @dataclass
 class _Registry:
     records: dict[str, _Record] = field(default_factory=dict)
+    tickets: dict[str, _Record] = field(default_factory=dict)  # socket player tickets (serving/live_socket.py)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -293,7 +210,7 @@ class _ReadWatch:
 class LiveService:
     """Streams, actions and downloads for every viewer of one engine. Thread-safe; owns no tensors."""
 
-    def __init__(self, engine: Engine, recordings_root: Path, config: StreamConfig = StreamConfig(),
+    def __init__(self, engine: Backend, recordings_root: Path, config: StreamConfig = StreamConfig(),
                  clock=time.monotonic, gate: ClientGate | None = None) -> None:
         """gate: what each client may hold (serving/clients.py), shared with the realtime protocols' routes of
         the same server; None: one of its own from the config's limits."""
@@ -312,12 +229,16 @@ class LiveService:
     # -- the stream --------------------------------------------------------------------------------
 
     async def stream(self, image, prompt, seed, viewer: str | None = None, address: str | None = None,
-                     unread: Callable[[], int] | None = None) -> AsyncIterator[StreamUpdate]:
+                     unread: Callable[[], int] | None = None, player: str = "hls") -> AsyncIterator[StreamUpdate]:
         """Admit, then yield one update per block until the session ends. Raises StreamError for bad input.
 
         viewer: the Gradio session hash (the world obeys only it); address: the client's IP address;
-        unread: how many of this stream's updates wait undelivered (see _ReadWatch).
+        unread: how many of this stream's updates wait undelivered (see _ReadWatch); player: "hls" (each
+        block's segment in its update, for gr.Video) or "socket" (frames to the page's socket player,
+        serving/live_socket.py, updates carry the telemetry only).
         """
+        if player not in ("hls", "socket"):
+            raise StreamError(f"player must be hls or socket, got {quote(player)}")
         # The claim comes first, so one client cannot make the server decode many pictures at once; the
         # decode (the costly check) runs on a worker thread, at most `decode_slots` at a time.
         try:
@@ -329,7 +250,7 @@ class LiveService:
             request = await self._call(self._parse_start, image, prompt, seed)
             self._background(self.sweep)
             watch = _ReadWatch(unread, self.clock, self.config.unread_timeout_s)
-            ticket = await self._admit(request)
+            ticket = await self._admit(request, early_frames=player == "socket")
             session_id = ticket.session_id
             if ticket.admission is Admission.WAITING:
                 # The engine posts this place's position on joining and whenever it changes, then NewWorld
@@ -350,6 +271,9 @@ class LiveService:
                 queued = None
 
             record = await self._call(self._register, session_id, viewer)
+            if player == "socket":
+                record.player = PlayerChannel(session_id, viewer,
+                                              asyncio.Queue(maxsize=self.config.player_blocks_queued))
             claim.alive = lambda: record.live
             notice = self.engine.prompt_notice(request.prompt)
             yield StreamUpdate(None, "starting: the first block is on its way" + (f" ({notice})" if notice else ""),
@@ -362,10 +286,12 @@ class LiveService:
                 self._background(self.engine.withdraw, queued)
             if record is not None:
                 record.streaming = False
+                if record.player is not None:
+                    record.player.end("the world ended")
                 self._background(self._end, record, "the stream ended")
 
-    async def _admit(self, request: requests.StartRequest):
-        future = asyncio.ensure_future(self._call(self.engine.admit, request))
+    async def _admit(self, request: requests.StartRequest, early_frames: bool = False):
+        future = asyncio.ensure_future(self._call(self.engine.admit, request, (), early_frames))
         try:
             return await asyncio.shield(future)
         except AdmissionRefused as exc:
@@ -384,13 +310,17 @@ class LiveService:
     async def _blocks(self, record: _Record, watch: _ReadWatch) -> AsyncIterator[StreamUpdate]:
         """Drain the session's outbox, paced to the viewer's playhead, until the engine says it closed."""
         cfg = self.config
-        clock = PlaybackClock(cfg.delivery_s)
+        socket = record.player is not None
+        early_sent: dict[int, int] = {}  # frames of a block already sent to the socket player as Frames
+        clock = PlaybackClock(cfg.socket_delivery_s if socket else cfg.delivery_s)
         session_id = record.session_id
         abandoned = f"nobody read the stream for {cfg.unread_timeout_s:g} s"
         just_sent = True  # an update was sent and nothing awaited since: its reader may not have had a turn
         block_s = None  # how long a block takes to make (a running average), once one was made
         paced_at = None  # when the engine was last told to start the next block (None: not since the last block)
         lead = AdaptiveLead(cfg)
+        if socket:
+            lead = AdaptiveLead(replace(cfg, lead_s=cfg.socket_lead_s, lead_min_s=cfg.socket_lead_min_s))
         held_back = False  # whether the block being made was told to wait at some point (pacing)
         stalls_seen = None  # the page's stall count at the last block (None: no report yet)
         while True:
@@ -420,7 +350,7 @@ class LiveService:
                 continue
             if isinstance(message, Closed):
                 self._mark_ended(record)
-                if message.reason == STOPPED_BY_USER:
+                if message.cause is CloseCause.USER and record.stopped:  # this viewer's Stop
                     # The same line Stop answers with: the page shows both, in either order, in one field.
                     yield StreamUpdate(None, stopped_line(record), session_id, True)
                     return
@@ -435,6 +365,12 @@ class LiveService:
             if isinstance(message, NewWorld):
                 await self._call(record.recording.new_world, message.replay)
                 continue
+            if isinstance(message, Frames):  # frames decoded ahead of their block (a socket player's session)
+                if socket:
+                    record.player.put((message.block_index, message.first, message.frames_in_block, message.pixels))
+                    clock.on_sent(len(message.pixels) / self.fps, self.clock())
+                    early_sent[message.block_index] = early_sent.get(message.block_index, 0) + len(message.pixels)
+                continue
             if isinstance(message, Waiting):  # a remote world whose server failed waits for the next free one
                 stats = await self._call(self.engine.stats)
                 yield StreamUpdate(None, waiting_line(message.position, stats), session_id)
@@ -446,7 +382,9 @@ class LiveService:
                     lead.after_block(stalls > stalls_seen, held_back)
                 stalls_seen = stalls
             held_back = False  # the next block's own pacing decides
-            made_s = 1.1 * message.block_ms / 1000.0 + cfg.block_margin_s  # the block, its pixels, the scheduling
+            # What the pacing waits for: the whole block, or where its frames leave as they are decoded, its first.
+            made_ms = message.first_frame_ms if socket and message.first_frame_ms is not None else message.block_ms
+            made_s = 1.1 * made_ms / 1000.0 + cfg.block_margin_s  # the block, its pixels, the scheduling
             block_s = made_s if block_s is None else 0.7 * block_s + 0.3 * made_s
             paced_at = None  # taking it held the next block back until the next `pace`
             try:
@@ -455,7 +393,9 @@ class LiveService:
                 if record.live:
                     raise
                 continue  # the viewer left and its recording went with it: the engine's Closed comes next
-            clock.on_sent(frames / self.fps, self.clock())
+            early = early_sent.pop(message.block_index, 0)
+            if frames > early:
+                clock.on_sent((frames - early) / self.fps, self.clock())
             # Key -> frame: from the first of this block's events reaching the server to the block's first frame
             # on screen (estimated as the playback clock places it).
             posted = [t for t in (record.posted.pop(i, None) for i in message.event_ids) if t is not None]
@@ -466,6 +406,10 @@ class LiveService:
             if watch.abandoned():  # sampled after the awaits above, so a reader has had its turn
                 await self._call(self._end, record, abandoned)
                 return
+            if socket:
+                if frames > early:  # the frames not sent ahead (all of them without early frames)
+                    record.player.put((message.block_index, early, frames, message.pixels[early:]))
+                segment = None
             yield StreamUpdate(segment, telemetry, session_id, block=message)
             just_sent = True
 
@@ -577,6 +521,32 @@ class LiveService:
         notices = [n for n in (self.engine.prompt_notice(e.prompt) for e in items if e.prompt is not None) if n]
         return f"queued {len(items)} event(s)" + (f"; {notices[-1]}" if notices else "")
 
+    def ticket(self, session_id: str, viewer: str | None = None) -> str:
+        """A ticket for the page's socket player of this session, for the viewer that started it only (the
+        socket takes it in place of the Gradio session, which it does not carry)."""
+        record = self._record(session_id, viewer)
+        if record.player is None:
+            raise StreamError("this world plays through the video player (HLS), not the socket player")
+        ticket = secrets.token_urlsafe(24)
+        with self._registry.lock:
+            self._registry.tickets = {t: r for t, r in self._registry.tickets.items() if r.live}
+            self._registry.tickets[ticket] = record
+        return ticket
+
+    def connect_player(self, ticket: str) -> PlayerChannel:
+        """The socket player's channel for this ticket; StreamError for an unknown ticket or a second player."""
+        with self._registry.lock:
+            record = self._registry.tickets.get(ticket) if isinstance(ticket, str) else None
+            if record is None or record.player is None or not record.live:
+                raise StreamError("unknown or ended player ticket: press Start")
+            if record.player.connected:
+                raise StreamError("this world's player is connected already (one player a world)")
+            record.player.connected = True
+        return record.player
+
+    def disconnect_player(self, channel: PlayerChannel) -> None:
+        channel.connected = False
+
     def report_playhead(self, session_id: str, playhead_s, viewer: str | None = None, stalls=None) -> None:
         """The player's currentTime, reported while it plays; the stream paces to it. stalls: how many times
         the player has run dry on this page so far (a count that only grows), which adapts the lead."""
@@ -601,6 +571,7 @@ class LiveService:
 
     def stop(self, session_id: str, viewer: str | None = None) -> str:
         record = self._record(session_id, viewer)
+        record.stopped = True
         self._end(record, STOPPED_BY_USER)
         return stopped_line(record)
 

@@ -27,12 +27,11 @@ from PIL import Image
 
 from lingbot_core.config import PRESETS, ModelConfig
 from lingbot_core.model import camera
-from lingbot_core.world.render import render, to_uint8
+from lingbot_core.world.render import SUPERSAMPLE, render, to_uint8
 from lingbot_core.world.scene import HELD_OUT_SEEDS, TRAIN_SEEDS, make_world
 
 # Held-out worlds with different looks (sky, ground, object kinds), chosen by eye from the first few dozen.
 EXAMPLE_SEEDS = (1_000_003, 1_000_008, 1_000_013, 1_000_018)
-SUPERSAMPLE = 2  # as training renders its clips (training/data.py): the pictures the model learned from
 # A picture is that world's render when it differs from a fresh render by less than this mean, in uint8
 # levels: a lossless PNG of the same render differs by float rounding on another CPU at most (a level on
 # a few pixels); a different world, a resampled or re-encoded picture differs by tens of levels.

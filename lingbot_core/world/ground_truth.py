@@ -38,9 +38,9 @@ import numpy as np
 
 from lingbot_core.config import ModelConfig
 from lingbot_core.model import camera
+from lingbot_core.world.render import SUPERSAMPLE
 from lingbot_core.world.trajectory import pixel_poses
 
-SUPERSAMPLE = 2  # as the training clips (training/data.py) and the example pictures
 _ROOT = Path(__file__).resolve().parents[2]  # the repository root, on the worker's import path
 _WORLDS_KEPT = 4  # the worker keeps the last few worlds built (each stream asks for one world)
 
@@ -98,6 +98,12 @@ class GroundTruthRenderer:
             self._process = subprocess.Popen([sys.executable, "-m", "lingbot_core.world.ground_truth"],
                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=_ROOT)
         return self._process
+
+    def warm(self) -> None:
+        """Start the render process now (its start-up imports PyTorch: seconds), so the first true frame of a
+        world started soon after does not wait for it."""
+        with self._lock:
+            self._ensure_process_locked()
 
     @property
     def busy(self) -> bool:
@@ -303,5 +309,11 @@ def _retrieve(future: asyncio.Future) -> None:
         future.exception()
 
 
+# The renderer runs below the world's priority: on a CPU it shares the cores with the model thread, and a late
+# true frame only says "ground truth skipped: busy", where a late model block stalls the world.
+RENDER_NICENESS = 10
+
 if __name__ == "__main__":
+    with contextlib.suppress(OSError, AttributeError):  # not where niceness is not the process's to lower
+        os.nice(RENDER_NICENESS)
     _serve(sys.stdin.buffer, sys.stdout.buffer)

@@ -40,6 +40,10 @@ _SKY_ID, _GROUND_ID = -1, 0
 _RAYS_PER_BATCH = 2**18  # frames are cast together up to about this many rays (bounds memory)
 
 
+# Rays per pixel side of the training clips, the example start pictures and the ground truth: the pictures
+# the model learned from are 2x2 supersampled, so every picture compared with them is rendered the same way.
+SUPERSAMPLE = 2
+
 class Buffers(NamedTuple):
     rgb: torch.Tensor  # [F, 3, H, W] float32 in [0, 1]
     depth: torch.Tensor  # [F, H, W] float32 distance along the (unit) ray; inf for the sky

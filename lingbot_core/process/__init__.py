@@ -1,0 +1,1 @@
+"""The process: memory, threads, compiled kernels, precision, start-up and its work folder."""

@@ -1,0 +1,42 @@
+"""The ModelConfig a remote backend plays with, read without loading any weights.
+
+The app needs the model's frame size, frame rate, block length and prompt limit to parse starts and
+events and to encode video; a remote backend loads no model, so they come from:
+- no --model (or the 14B preset's name, or a Hub id, which is never downloaded here): the real preset,
+  lingbot-world-v2-14b at 832x480, as a remote SGLang serves it;
+- a preset name ("embedded", or "tiny" for tests): that preset (e.g. our own protocol server playing the
+  embedded model at 160x96);
+- a local diffusers folder: its transformer/config.json, at 832x480 with the Wan 2.1 VAE's factors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from lingbot_core.config import LINGBOT_WORLD_V2_14B, PRESETS, TEST_PRESETS, WAN21_VAE, ModelConfig, TransformerConfig
+
+
+
+def remote_model_config(model: str | None = None) -> ModelConfig:
+    if model is None or not model.strip():
+        return LINGBOT_WORLD_V2_14B
+    model = model.strip()
+    if model in PRESETS:
+        return PRESETS[model]
+    if model in TEST_PRESETS:
+        return TEST_PRESETS[model]()
+    folder = Path(model).expanduser()
+    config_path = folder / "transformer" / "config.json"
+    if config_path.is_file():
+        try:
+            transformer = TransformerConfig.from_diffusers_config(json.loads(config_path.read_text()))
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"{config_path}: {exc}") from None
+        return ModelConfig(name=folder.name, transformer=transformer, vae=dict(WAN21_VAE))
+    if folder.exists():
+        raise ValueError(f"{folder} has no transformer/config.json; name a diffusers folder, a preset "
+                         f"({', '.join(sorted(PRESETS))}) or nothing (the 14B preset)")
+    # A Hub id: the servers hold the weights; its config is the published preset's (nothing is downloaded).
+    return dataclasses.replace(LINGBOT_WORLD_V2_14B, name=model)
