@@ -33,6 +33,13 @@ Measured (lingbot_core/world/metrics.py holds every estimator):
   streams (`training.vae.stream_reconstruct`), measured exactly as the model is. A perfect world model
   would show these frames, so their PSNR and motion are the most the model can reach through its VAE.
 
+- revisit consistency (memory): turn away and back, J held k blocks then L held k blocks (k = 1, 2, 4; the
+  camera ends where it started), and compare the returning frame (the last) with the truth's and with the
+  frame the model showed before leaving (the last of block 0), beside the truth through the VAE. The
+  context is the sink (3 latent frames: block 0, which holds that very view) and the 12 most recent latent
+  frames (4 blocks): for k = 1 and 2 the frames before leaving are still in the recent window, for k = 4
+  they have left it and only the sink remembers them. Printed, with no target.
+
 Prints one table (one row per block index), the CPU and wall time, and a summary line last (with
 `--per-key`, first a table of the motion ratio per held key and block: where a long hold falls behind). Ground
 truth renders on one thread (two thread teams on a 2-core host make the ray caster 10x slower), the
@@ -86,6 +93,7 @@ PROMPT = "A walk through a quiet countryside with trees, rocks and small houses.
 MIN_TRUE_MOTION_PX = 1.0
 PSNR_MARGIN_DB, SIGN_TARGET, MAGNITUDE_TOLERANCE, COLLAPSE_TOLERANCE = 3.0, 0.95, 0.30, 0.20
 TARGET_BLOCKS = range(1, 9)  # PSNR target: averaged over blocks 1-8
+REVISIT_HOLDS = (1, 2, 4)  # blocks turned away (J) and then back (L)
 MOTION_KINDS = {"shift_x": "turn", "shift_y": "pitch", "expansion": "walk", "lateral": "step"}
 
 
@@ -177,6 +185,9 @@ class Records:
         self.motion = defaultdict(list)  # block -> [(who, script, key, generated, true)]
         # (seed, statistic, the model's ratio last block / block 4, the truth's ratio over the same blocks)
         self.collapse: list[tuple[int, str, float, float]] = []
+        # k -> [(the returning frame's PSNR against the truth's, against what the model showed before leaving,
+        #        the truth through the VAE against the truth)], one per world
+        self.revisit: dict[int, list[tuple[float, float, float]]] = defaultdict(list)
 
     def add_fidelity(self, config: ModelConfig, who: str, frames: torch.Tensor, truth: torch.Tensor) -> None:
         p, s = psnr(frames, truth), ssim(frames, truth)
@@ -281,7 +292,25 @@ def evaluate(args) -> tuple[Records, str, int]:
                     records.collapse.append((seed, name, ratio, true_ratio))
             print(f"  world {seed} {script.name:>4}: {len(script.keys_per_block)} blocks, "
                   f"{time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
+        if args.revisit:
+            for k in REVISIT_HOLDS:
+                blocks_run += revisit(pipe, world, image, config, k, records)
     return records, note, blocks_run
+
+
+def revisit(pipe: Pipeline, world, image: np.ndarray, config: ModelConfig, k: int, records: Records) -> int:
+    """Turn away k blocks and back; record the returning frame against the truth and against the frame shown
+    before leaving. Returns the blocks run."""
+    script = Script(f"revisit{k}", ("",) + ("j",) * k + ("l",) * k, 2 * k + 1)
+    path = key_path(held_keys(script.keys_per_block, config.transformer.num_frames_per_block), config)
+    truth = ground_truth(world, path, config, slice(0, config.pixel_frames_for_blocks(script.compare_blocks)))
+    model = roll_out(pipe, image, script, set()).frames
+    ceiling = vae_round_trip(pipe, truth)
+    before = block_frames(config, 0).stop - 1  # the last frame before the first turn
+    back, seen = model[-1:], model[before:before + 1]
+    records.revisit[k].append((float(psnr(back, truth[-1:])[0]), float(psnr(back, seen)[0]),
+                               float(psnr(ceiling[-1:], truth[-1:])[0])))
+    return len(script.keys_per_block)
 
 
 def _start_picture(world, config: ModelConfig) -> np.ndarray:
@@ -376,6 +405,12 @@ def report(records: Records, args, note: str, blocks_run: int, seconds: float) -
           f"{', '.join(f'{k} {v:.2f}' for k, v in vae_medians.items())}")
     for line in collapse_lines(records, last):
         print(line)
+    for k, rows in sorted(records.revisit.items()):
+        window = "in the recent window" if 2 * k <= 4 else "out of the recent window, in the sink only"
+        print(f"Revisit, J held {k} block(s) then L held {k} (the view before leaving is {window}): the returning "
+              f"frame against the truth {_mean(r[0] for r in rows):.2f} dB (the truth through the VAE "
+              f"{_mean(r[2] for r in rows):.2f} dB), against what the model showed before leaving "
+              f"{_mean(r[1] for r in rows):.2f} dB; {len(rows)} world(s)")
     verdict = lambda ok: "PASS" if ok else "FAIL"  # noqa: E731
     collapse_text = (f"worst {worst[1]} x{worst[2]:.2f} (world {worst[0]}; the truth x{worst[3]:.2f})"
                      if worst else "no walk")
@@ -403,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random-weights", action="store_true",
                         help="evaluate the preset's random weights as the model (the harness without training)")
     parser.add_argument("--quick", action="store_true", help="1 world, 2 blocks, 1 pair, an 8-block walk")
+    parser.add_argument("--revisit", action=argparse.BooleanOptionalAction, default=True,
+                        help="turn away and back (J then L held 1, 2, 4 blocks) and print the memory figures")
     parser.add_argument("--per-key", action="store_true",
                         help="also print, per held key, the median motion ratio at each block (before the table)")
     args = parser.parse_args(argv)

@@ -6,6 +6,20 @@ session is safe to share; tests must not change its weights.
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
+# Each test process keeps its own Gradio cache: an app that closes deletes every file it cached, and under
+# pytest-xdist another worker's app may be serving files from the same folder at that moment.
+# (The workers inherit the controller's environment, so a folder this file made there is replaced, not kept.)
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+if "GRADIO_TEMP_DIR" not in os.environ or os.environ.get("LINGBOT_TEST_GRADIO_OWNER") not in (None, _WORKER):
+    os.environ["GRADIO_TEMP_DIR"] = tempfile.mkdtemp(prefix=f"gradio-{_WORKER}-")
+    os.environ["LINGBOT_TEST_GRADIO_OWNER"] = _WORKER
+    atexit.register(shutil.rmtree, os.environ["GRADIO_TEMP_DIR"], True)
+
 import numpy as np
 import pytest
 import torch

@@ -177,6 +177,7 @@ def test_new_world_is_a_held_out_world_at_the_preset_size(server):
     client.close()
 
 
+@pytest.mark.slow  # a minute or more on 2 cores: .ci/run runs it, the fast suite does not
 def test_ground_truth_beside_the_stream_and_its_psnr(server, tmp_path):
     """/play with Ground truth on a New world: each truth segment and PSNR is the world along the walk."""
     url, engine, _ = server

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -38,6 +39,7 @@ def test_without_the_folder_embedded_falls_back_to_seeded_random_weights_and_say
     assert not parts.config.trained and parts.config.weights_seed == EMBEDDED.weights_seed
 
 
+@pytest.mark.slow  # a minute or more on 2 cores: .ci/run runs it, the fast suite does not
 def test_the_shipped_vae_streams_the_end_of_a_long_clip_about_as_well_as_its_start():
     """The streamed round trip a session runs (the causal encoder over the whole clip, the decoder block by
     block with its carried cache) on 6-block clips of held-out worlds: the last three blocks come back within

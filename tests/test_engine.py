@@ -608,6 +608,7 @@ def _rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.slow  # a minute or more on 2 cores: .ci/run runs it, the fast suite does not
 def test_a_thousand_sessions_through_every_exit_leave_an_empty_pool_and_flat_rss(image, clock, monkeypatch):
     pipe = _pipeline(MICRO)
     engine = Engine(pipe, EngineConfig(memory_budget_bytes=BIG, max_sessions=2, idle_ttl_s=60, evictable_after_s=10),

@@ -91,6 +91,7 @@ def _trajectory(num_frames: int) -> tuple[np.ndarray, np.ndarray]:
 # ---- the good paths -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a minute or more on 2 cores: .ci/run runs it, the fast suite does not
 def test_subprocess_events_to_mp4_with_12n_minus_3_frames(checkpoint, image_file, tmp_path):
     """`python -m lingbot_core.generate --model FOLDER` on a checkpoint whose every config file carries the
     published key set (the transformer's with local_attn_size -1), as the real release does."""

@@ -538,6 +538,7 @@ def _play_and_download(url: str) -> None:
     client.close()
 
 
+@pytest.mark.slow  # a minute or more on 2 cores: .ci/run runs it, the fast suite does not
 def test_the_app_leaves_no_files_after_sigterm_or_after_kill_and_restart(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()

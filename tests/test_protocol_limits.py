@@ -273,6 +273,7 @@ def test_pictures_over_the_protocol_use_the_decode_slots_and_memory_returns(serv
     healthy.report(since, "40 MP pictures")
 
 
+@pytest.mark.slow  # a minute or more on 2 cores: .ci/run runs it, the fast suite does not
 def test_sigterm_ends_a_headless_server_holding_a_silent_handshake():
     process, url = headless_server()
     try:

@@ -41,6 +41,9 @@ from lingbot_core.serving.factory import create_engine
 from lingbot_core.serving.streaming import StreamConfig
 from lingbot_core.boundary.video import frames_to_uint8, mp4_segment
 
+# Servers in other processes, seconds each to start: .ci/run runs these, the fast suite does not.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "a harbour at dawn"
 OTHER_PROMPT = "a harbour at night"

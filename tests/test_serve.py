@@ -420,6 +420,7 @@ def headless_server() -> tuple[subprocess.Popen, str | None]:
     return process, None
 
 
+@pytest.mark.slow  # a minute or more on 2 cores: .ci/run runs it, the fast suite does not
 def test_the_headless_command_serves_the_protocol():
     """python -m lingbot_core.serve in its own process: the ready line, /v1/models, one chunk, Ctrl-C."""
     process, url = headless_server()

@@ -238,6 +238,7 @@ def _decode_blocks_with(vae, decode_frame, blocks=3):
     return torch.cat(outputs, dim=2), state
 
 
+@pytest.mark.slow  # a minute or more on 2 cores: .ci/run runs it, the fast suite does not
 def test_frame_decoder_traces_as_one_graph():
     """Dynamo captures the whole one-frame step (fullgraph: no graph break) and replays it exactly."""
     torch._dynamo.reset()

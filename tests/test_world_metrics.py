@@ -164,6 +164,7 @@ def test_translation_recovers_sub_pixel_shifts_exactly():
         assert translation(image, moved).tolist() == pytest.approx([dx, dy], abs=0.01)
 
 
+@pytest.mark.slow  # a minute or more on 2 cores: .ci/run runs it, the fast suite does not
 def test_the_estimators_read_the_vaes_round_trip_of_a_true_clip_as_moving_with_the_truth(world):
     """The oracle: a perfect world model's output is the VAE's streamed round trip of the true clip, so each
     key's motion, summed over a block's consecutive frame pairs as the evaluation sums it, must read close
@@ -207,6 +208,7 @@ def test_frame_statistics_see_a_washed_out_picture(world):
 
 
 @pytest.mark.skipif(not EMBEDDED.trained, reason="the embedded preset's weights are not trained yet")
+@pytest.mark.slow  # a minute or more on 2 cores: .ci/run runs it, the fast suite does not
 def test_the_shipped_model_turns_with_the_keys():
     from lingbot_core.blocks.pipeline import load_pipeline
     from lingbot_core.boundary.requests import BlockControl
