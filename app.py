@@ -2,6 +2,7 @@
 
     python app.py [--model embedded|OWNER/NAME|FOLDER] [--max-sessions N] [--port P]
     python app.py --backend sglang --sglang-url ws://h1:30000 --sglang-url ws://h2:30000   # no local model
+    python app.py --backend vllm-omni --vllm-omni-url ws://h1:8000 --vllm-omni-url ws://h2:8000
 
 Gradio widgets and wiring only. The world lives in the engine (lingbot_core/serving/engine.py); each
 viewer's stream, pacing, actions and downloads live in lingbot_core/serving/streaming.py. Named API
@@ -18,11 +19,12 @@ endpoints, usable from gradio_client (see examples/client.py):
     /generate(image, prompt, seed, script, script_file, poses, intrinsics, example_files) -> (MP4, message)
                                          example_files: an official example folder's files, dropped together
 
-The same port also serves SGLang's realtime video protocol over the same engine (lingbot_core/protocols/sglang/server.py):
-WebSocket /v1/realtime_video/generate and GET /v1/models, so SGLang's clients and web UI can play this model.
+The same port also serves the realtime video protocols over the same engine: SGLang's
+(lingbot_core/protocols/sglang/server.py: WebSocket /v1/realtime_video/generate and GET /v1/models) and vLLM-Omni's
+(lingbot_core/protocols/vllm_omni/server.py: WebSocket /v1/realtime/video), so either's clients can play this model.
 
-Environment: LINGBOT_MODEL (same as --model), LINGBOT_BACKEND (same as --backend), LINGBOT_SGLANG_URLS (comma
-separated, same as --sglang-url),
+Environment: LINGBOT_MODEL (same as --model), LINGBOT_BACKEND (same as --backend), LINGBOT_SGLANG_URLS and
+LINGBOT_VLLM_OMNI_URLS (comma separated, same as --sglang-url and --vllm-omni-url),
 GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (read by Gradio),
 LINGBOT_TEST_PRESET=tiny (tests only: a 32x64 model with random weights, for fast CPU checks).
 """
@@ -54,12 +56,16 @@ from lingbot_core.config import EMBEDDED
 from lingbot_core.boundary.example_folder import ExampleFolderError, example_from_files
 from lingbot_core.boundary.offline import parse_render
 from lingbot_core.protocols.sglang.backend import create_remote_engine
+from lingbot_core.protocols.vllm_omni.backend import create_vllm_omni_engine
+from lingbot_core.protocols.vllm_omni.messages import PATH as VIDEO_PATH
 from lingbot_core.process.startup import StartupLog
 from lingbot_core.serving.contract import Backend, EngineConfig, RenderFailedError, RenderRefused
 from lingbot_core.serving.launch import add_engine_arguments, start_local_engine, startup_line
 from lingbot_core.boundary.requests import parse_start
 from lingbot_core.protocols.sglang.protocol import GENERATE_PATH
-from lingbot_core.protocols.sglang.server import RealtimeServer, ServeConfig
+from lingbot_core.protocols.server_base import ServeConfig
+from lingbot_core.protocols.sglang.server import RealtimeServer
+from lingbot_core.protocols.vllm_omni.server import VideoStreamServer
 from lingbot_core.serving.live_socket import LiveSocket
 from lingbot_core.serving.streaming import LiveService, StreamConfig, StreamError
 from lingbot_core.boundary.video import Recording
@@ -161,6 +167,7 @@ class DemoApp:
     renderer: GroundTruthRenderer | None = None  # the world render process (embedded model only)
     realtime: RealtimeServer | None = None  # SGLang's realtime protocol over the same engine (lingbot_core/protocols/sglang/server.py)
     live: LiveSocket | None = None  # the page's socket player's route (lingbot_core/serving/live_socket.py)
+    video: VideoStreamServer | None = None  # vLLM-Omni's realtime protocol (lingbot_core/protocols/vllm_omni/server.py)
 
     def launch(self, **kwargs):
         """demo.launch with the page's key capture script and styles, and the realtime protocol's routes on the
@@ -168,7 +175,8 @@ class DemoApp:
         kwargs.setdefault("show_error", True)
         kwargs.setdefault("max_file_size", "50mb")
         routes = [*(self.live.routes() if self.live is not None else ()),
-                  *(self.realtime.routes() if self.realtime is not None else ())]
+                  *(self.realtime.routes() if self.realtime is not None else ()),
+                  *(self.video.routes() if self.video is not None else ())]
         if routes:
             app_kwargs = dict(kwargs.pop("app_kwargs", None) or {})
             app_kwargs["routes"] = [*app_kwargs.get("routes", ()), *routes]
@@ -182,6 +190,8 @@ class DemoApp:
         self.service.shutdown()
         if self.realtime is not None:
             self.realtime.close()
+        if self.video is not None:
+            self.video.close()
         if self.live is not None:
             self.live.close()
         if self.renderer is not None:
@@ -626,8 +636,9 @@ def build_demo(engine: Backend, *, stream_config: StreamConfig = StreamConfig(),
         demo.unload(close_tab)
     # The protocol is served over a local engine only: with remote servers, their own endpoints serve it.
     realtime = RealtimeServer(engine, serve_config, gate=service.gate)
+    video = VideoStreamServer(engine, serve_config, gate=service.gate)
     live = LiveSocket(service, serve_config.allowed_origins)
-    return DemoApp(demo, service, owned, renderer, realtime, live)
+    return DemoApp(demo, service, owned, renderer, realtime, live, video)
 
 
 def _header(config, engine: Backend) -> str:
@@ -654,18 +665,21 @@ def _header(config, engine: Backend) -> str:
 # Command line
 
 
-BACKENDS = ("local", "sglang")
+BACKENDS = ("local", "sglang", "vllm-omni")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=BACKENDS, default=os.environ.get("LINGBOT_BACKEND") or "local",
-                        help="local (default): run the model here; sglang: play every world on a pool of SGLang "
-                             "realtime servers (one world per server) and load no model; default $LINGBOT_BACKEND "
-                             "(a Space sets it there, having no command line)")
+                        help="local (default): run the model here; sglang / vllm-omni: play every world on a pool "
+                             "of SGLang / vLLM-Omni realtime servers (one world per server) and load no model; "
+                             "default $LINGBOT_BACKEND (a Space sets it there, having no command line)")
     parser.add_argument("--sglang-url", action="append", default=[], metavar="URL",
                         help="a realtime server, ws://host:port (repeat for each; default $LINGBOT_SGLANG_URLS, "
                              "comma separated); with --backend sglang")
+    parser.add_argument("--vllm-omni-url", action="append", default=[], metavar="URL",
+                        help="a vLLM-Omni realtime server, ws://host:port (repeat for each; default "
+                             "$LINGBOT_VLLM_OMNI_URLS, comma separated); with --backend vllm-omni")
     add_engine_arguments(parser)
     parser.add_argument("--offline-max-blocks", type=int, default=64)
     parser.add_argument("--host", help="default $GRADIO_SERVER_NAME or 127.0.0.1")
@@ -685,16 +699,20 @@ def main(argv: list[str] | None = None) -> None:
     if workdir.swept:
         log.note(f"removed {len(workdir.swept)} work folder(s) left by ended processes")
     startup_line(log)
-    if args.backend == "sglang":  # no model here: the servers hold it (lingbot_core/protocols/sglang/backend.py)
+    if args.sglang_url and args.backend != "sglang":
+        parser.error("--sglang-url needs --backend sglang")
+    if args.vllm_omni_url and args.backend != "vllm-omni":
+        parser.error("--vllm-omni-url needs --backend vllm-omni")
+    if args.backend != "local":  # no model here: the servers hold it (lingbot_core/protocols/*/backend.py)
+        create, urls = {"sglang": (create_remote_engine, args.sglang_url),
+                        "vllm-omni": (create_vllm_omni_engine, args.vllm_omni_url)}[args.backend]
         try:
-            engine = create_remote_engine(args.sglang_url, args.model, EngineConfig(idle_ttl_s=args.idle_ttl))
+            engine = create(urls, args.model, EngineConfig(idle_ttl_s=args.idle_ttl))
         except ValueError as exc:
             parser.error(str(exc))
-        log.note(f"remote backend: {engine.capacity} SGLang realtime server(s), model config "
+        log.note(f"remote backend: {engine.capacity} {engine.protocol} realtime server(s), model config "
                  f"{engine.model_config.name} ({engine.model_config.width}x{engine.model_config.height})")
     else:
-        if args.sglang_url:
-            parser.error("--sglang-url needs --backend sglang")
         engine = start_local_engine(args, log)
     with log.stage("build the page"):
         app = build_demo(engine, stream_config=StreamConfig(max_streams_per_address=args.max_per_address),
@@ -702,7 +720,8 @@ def main(argv: list[str] | None = None) -> None:
                          serve_config=ServeConfig(allowed_origins=tuple(args.allow_origin)))
     try:
         _, url, _ = app.launch(server_name=args.host, server_port=args.port, prevent_thread_lock=True)
-        protocol = f"; SGLang's realtime protocol at {url.replace('http', 'ws', 1).rstrip('/')}{GENERATE_PATH}"
+        base = url.replace('http', 'ws', 1).rstrip('/')
+        protocol = f"; realtime protocols at {base}{GENERATE_PATH} (SGLang) and {base}{VIDEO_PATH} (vLLM-Omni)"
         log.note(f"ready at {url} ({engine.capacity} worlds at once){protocol}")
         app.demo.block_thread()
     finally:

@@ -1,5 +1,5 @@
 """What the remote backend costs this process per block: raw 832x480 chunks from an in-process upstream-like
-server (tests/fake_upstream.py, no pacing) through RemoteEngine into Blocks, on localhost.
+server (tests/fake_upstream.py, no pacing) through SglangEngine into Blocks, on localhost.
 
     python benchmarks/bench_remote_receive.py [--blocks 30] [--width 832] [--height 480]
 
@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 
 from fake_upstream import FakeUpstream  # noqa: E402
 from lingbot_core.config import LINGBOT_WORLD_V2_14B  # noqa: E402
-from lingbot_core.protocols.sglang.backend import RemoteEngine  # noqa: E402
+from lingbot_core.protocols.sglang.backend import SglangEngine  # noqa: E402
 from lingbot_core.boundary.requests import parse_start  # noqa: E402
 from lingbot_core.serving.contract import Block  # noqa: E402
 
@@ -39,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     config = dataclasses.replace(LINGBOT_WORLD_V2_14B, width=args.width, height=args.height)
     server = FakeUpstream(width=args.width, height=args.height, interval_s=0.0)
-    engine = RemoteEngine([server.url], config)
+    engine = SglangEngine([server.url], config)
     image = np.zeros((args.height, args.width, 3), dtype=np.uint8)
     try:
         sid = engine.admit(parse_start(image, "a benchmark", 0, config)).session_id

@@ -1,9 +1,11 @@
-"""SGLang's realtime video protocol served headless over the local engine (the page serves it too: app.py).
+"""The realtime video protocols served headless over the local engine (the page serves them too: app.py):
+SGLang's `/v1/realtime_video/generate` and vLLM-Omni's `/v1/realtime/video`, on one port.
 
     python -m lingbot_core.serve --port 30000 [--host H] [--model embedded] [--dtype auto] [--max-sessions N]
                                  [--idle-ttl S] [--max-waiting N] [--max-per-address N] [--allow-origin ORIGIN]
 
-The protocol's server is lingbot_core/protocols/sglang/server.py; this command loads the model, starts the
+The protocols' servers are lingbot_core/protocols/sglang/server.py and lingbot_core/protocols/vllm_omni/server.py,
+sharing the engine and the per-address limits; this command loads the model, starts the
 engine and serves it with uvicorn until Ctrl-C or SIGTERM.
 """
 
@@ -18,7 +20,10 @@ import time
 
 from lingbot_core.boundary.image import MAX_IMAGE_BYTES
 from lingbot_core.protocols.sglang.protocol import GENERATE_PATH
-from lingbot_core.protocols.sglang.server import SHUTDOWN_GRACE_S, RealtimeServer, ServeConfig, create_app
+from lingbot_core.protocols.server_base import SHUTDOWN_GRACE_S, ServeConfig
+from lingbot_core.protocols.sglang.server import RealtimeServer
+from lingbot_core.protocols.vllm_omni import messages as video_wire
+from lingbot_core.protocols.vllm_omni.server import VideoStreamServer
 from lingbot_core.serving.clients import ClientGate, ClientLimits
 
 
@@ -29,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     from lingbot_core.serving.contract import EngineConfig
     from lingbot_core.serving.launch import add_engine_arguments, start_local_engine, startup_line
 
-    parser = argparse.ArgumentParser(description="SGLang's realtime video protocol over the local engine, headless")
+    parser = argparse.ArgumentParser(description="SGLang's and vLLM-Omni's realtime video protocols over the local engine, headless")
     parser.add_argument("--port", type=int, default=30000, help="0: a free port (the ready line names it)")
     parser.add_argument("--host", default="127.0.0.1")
     add_engine_arguments(parser)
@@ -42,12 +47,17 @@ def main(argv: list[str] | None = None) -> None:
     log_startup = StartupLog()
     startup_line(log_startup)
     engine = start_local_engine(args, log_startup, max_waiting=args.max_waiting)
-    server = RealtimeServer(engine, ServeConfig(allowed_origins=tuple(args.allow_origin)),
-                            gate=ClientGate(ClientLimits(max_per_address=args.max_per_address)))
+    serve_config = ServeConfig(allowed_origins=tuple(args.allow_origin))
+    gate = ClientGate(ClientLimits(max_per_address=args.max_per_address))
+    server = RealtimeServer(engine, serve_config, gate=gate)
+    video = VideoStreamServer(engine, serve_config, model_id=server.model_id, gate=gate)
     # No per-message deflate: frames do not shrink and a raw chunk is megabytes. An init carries the picture,
     # so incoming messages may be as large as the largest picture accepted.
-    config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level="warning",
-                            ws_per_message_deflate=False, ws_max_size=MAX_IMAGE_BYTES + 2**20,
+    from starlette.applications import Starlette
+
+    app = Starlette(routes=[*server.routes(), *video.routes()])
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            ws_per_message_deflate=False, ws_max_size=max(MAX_IMAGE_BYTES, 4 * video_wire.START_MAX_CHARS) + 2**20,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     uvicorn_server = uvicorn.Server(config)
 
@@ -57,8 +67,8 @@ def main(argv: list[str] | None = None) -> None:
                 return
             time.sleep(0.05)
         host, port = uvicorn_server.servers[0].sockets[0].getsockname()[:2]
-        print(f"ready at ws://{host}:{port}{GENERATE_PATH} (model {server.model_id}, "
-              f"{engine.capacity} sessions at once)", flush=True)
+        print(f"ready at ws://{host}:{port}{GENERATE_PATH} and ws://{host}:{port}{video_wire.PATH} "
+              f"(model {server.model_id}, {engine.capacity} sessions at once)", flush=True)
 
     threading.Thread(target=announce, name="lingbot-serve-ready", daemon=True).start()
     # uvicorn stops gracefully on SIGINT or SIGTERM, then raises the signal again; as KeyboardInterrupt
@@ -70,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         pass
     finally:
         server.close()
+        video.close()
         engine.shutdown()
 
 

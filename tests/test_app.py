@@ -253,7 +253,7 @@ def test_generate_from_script_equals_the_offline_path(server, tmp_path):
     assert message.startswith(f"{blocks} blocks, {12 * blocks - 3} frames")
 
     # The same script through the offline command's functions gives the same pictures.
-    controls = controls_from_events(read_events(script, 3), 3)
+    controls = controls_from_events(read_events(script, 3), config)
     reference = tmp_path / "reference.mp4"
     write_rollout(engine.pipeline.rollout(FOREST, "a forest path", 3, controls), reference, config)
     np.testing.assert_array_equal(decode(mp4), decode(reference))

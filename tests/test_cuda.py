@@ -176,7 +176,7 @@ def test_the_engine_worker_on_cuda_streams_what_the_offline_command_makes_and_re
         assert engine.pages.num_in_use == 0
         assert engine.session_ids() == []
         assert engine.accounted_bytes() == engine.conditions.nbytes()  # only the kept condition stream is left
-    controls = controls_from_events(read_events(replay.to_events_jsonl(), BLOCK), BLOCK)
+    controls = controls_from_events(read_events(replay.to_events_jsonl(), BLOCK), pipe.config)
     offline = [o.latents for o in pipe.rollout(start_image, PROMPT, 4, controls[:len(latents)])]
     for block, (a, b) in enumerate(zip(latents, offline)):
         assert torch.equal(a, b.cpu()), f"block {block}: max difference {_max_diff(a, b)}"

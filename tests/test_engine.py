@@ -696,7 +696,7 @@ def test_worker_thread_stream_equals_the_offline_command(pipe, image):
         blocks = len(replay.blocks)
         assert blocks >= len(latents)
     assert engine.pages.num_in_use == 0
-    controls = controls_from_events(read_events(replay.to_events_jsonl(), BLOCK), BLOCK)
+    controls = controls_from_events(read_events(replay.to_events_jsonl(), BLOCK), pipe.config)
     offline = [o.latents for o in pipe.rollout(image, PROMPT, 4, controls[:len(latents)])]
     for block, (a, b) in enumerate(zip(latents, offline)):
         assert torch.equal(a, b), f"block {block}"
@@ -759,7 +759,7 @@ def test_realtime_example_saves_every_block_and_a_replay_that_reproduces_it(pipe
 
     replay = Replay.from_json((tmp_path / "replay.json").read_text())
     assert [b["event_ids"] for b in replay.blocks] == [[0], [2], [3], [7]]
-    controls = controls_from_events(read_events((tmp_path / "replay.jsonl").read_text(), BLOCK), BLOCK)
+    controls = controls_from_events(read_events((tmp_path / "replay.jsonl").read_text(), BLOCK), pipe.config)
     offline = list(pipe.rollout(image, PROMPT, 5, controls))
     for block, output in enumerate(offline):
         assert torch.equal(torch.load(tmp_path / f"block_{block:05d}_latents.pt"), output.latents), block

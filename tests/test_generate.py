@@ -122,7 +122,7 @@ def test_offline_latents_equal_tick_by_tick_rollout(checkpoint, image_file, tmp_
 
     pipe = load_pipeline(str(checkpoint), dtype=torch.float32, height=CFG.height, width=CFG.width)
     frames_per_block = pipe.config.transformer.num_frames_per_block
-    controls = controls_from_events(read_events_file(events, frames_per_block), frames_per_block)
+    controls = controls_from_events(read_events_file(events, frames_per_block), pipe.config)
     assert sum(c.prompt is not None for c in controls) == 1
     pool = pipe.new_pool()
     pages = PageAllocator(pool.num_pages)

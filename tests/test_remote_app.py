@@ -1,4 +1,4 @@
-"""app.py with --backend sglang's engine (a RemoteEngine) over an upstream-like fake server: the same Gradio API
+"""app.py with --backend sglang's engine (a SglangEngine) over an upstream-like fake server: the same Gradio API
 (/start /act /stop /download) as with the local engine, and the page says where its worlds are played.
 Driven with gradio_client, as tests/test_app.py drives the local app."""
 
@@ -13,7 +13,7 @@ from app_driver import FOREST, free_port, stream_outputs
 import app as lingbot_app
 from fake_upstream import FakeUpstream
 from gradio_client import Client, handle_file
-from lingbot_core.protocols.sglang.backend import RemoteConfig, RemoteEngine, create_remote_engine
+from lingbot_core.protocols.sglang.backend import RemoteConfig, SglangEngine, create_remote_engine
 from lingbot_core.serving.contract import EngineConfig
 from lingbot_core.serving.streaming import StreamConfig
 from lingbot_core.boundary.video import count_frames
@@ -23,7 +23,7 @@ def test_the_app_plays_a_remote_world_with_keys_stop_and_download(tmp_path):
     server = FakeUpstream(width=64, height=32)
     engine = create_remote_engine([server.url], environ={"LINGBOT_TEST_PRESET": "tiny"},
                                   remote=RemoteConfig(receive_timeout_s=10, open_timeout_s=5))
-    assert isinstance(engine, RemoteEngine) and engine.model_config.name == "tiny"
+    assert isinstance(engine, SglangEngine) and engine.model_config.name == "tiny"
     app = lingbot_app.build_demo(engine, stream_config=StreamConfig(), workdir=tmp_path / "work")
     try:
         assert "1 remote SGLang realtime server" in lingbot_app._header(engine.model_config, engine)

@@ -1,4 +1,4 @@
-"""The remote backend (lingbot_core/protocols/sglang/backend.py) against in-process upstream-like servers over real
+"""The SGLang backend (lingbot_core/protocols/sglang/backend.py over protocols/remote_engine.py) against in-process upstream-like servers over real
 WebSockets (tests/fake_upstream.py: one session per server, as upstream).
 
 Oracles: each Block's pixels are exactly the frames the server sent for that chunk of that session; the
@@ -23,8 +23,9 @@ from lingbot_core.config import tiny_config
 from lingbot_core.boundary.events import EventError, KeyStateEvent, ScriptEvent
 from lingbot_core.boundary.offline import RenderRequest, controls_from_events
 from lingbot_core.model.camera import CameraState
-from lingbot_core.protocols.sglang.backend import RemoteConfig, RemoteEngine, RenderRefused
-from lingbot_core.protocols.sglang.pool import ServerPool, ServerState
+from lingbot_core.protocols.sglang.backend import RemoteConfig, SglangEngine
+from lingbot_core.serving.contract import RenderRefused
+from lingbot_core.protocols.pool import ServerPool, ServerState
 from lingbot_core.boundary.requests import parse_start
 from lingbot_core.serving.contract import (Admission, AdmissionRefused, Block, Closed, EngineConfig, Failed,
                                            NewWorld, UnknownSession, Waiting)
@@ -63,10 +64,10 @@ def request_for(start_image):
     return lambda seed=3, prompt=PROMPT: parse_start(start_image, prompt, seed, CONFIG)
 
 
-def engine_for(*servers_or_urls, clock=time.monotonic, **config) -> RemoteEngine:
+def engine_for(*servers_or_urls, clock=time.monotonic, **config) -> SglangEngine:
     urls = [s if isinstance(s, str) else s.url for s in servers_or_urls]
     remote = RemoteConfig(receive_timeout_s=10, open_timeout_s=5, **config.pop("remote", {}))
-    return RemoteEngine(urls, CONFIG, EngineConfig(**config), remote, clock=clock)
+    return SglangEngine(urls, CONFIG, EngineConfig(**config), remote, clock=clock)
 
 
 def sent_frames(server: FakeUpstream, session: int, chunk: int) -> np.ndarray:
@@ -330,7 +331,7 @@ def test_offline_render_over_one_server(servers, request_for, tmp_path, start_im
     engine = engine_for(server)
     try:
         controls = controls_from_events([ScriptEvent(0, (frozenset({"w"}),) * 3),
-                                         KeyStateEvent(1, frozenset({"a"}))], 3)
+                                         KeyStateEvent(1, frozenset({"a"}))], engine.model_config)
         out = tmp_path / "out.mp4"
         assert engine.render(RenderRequest(request_for(), tuple(controls)), out) == 2
         assert count_frames(out)[0] == 9 + 12

@@ -30,9 +30,9 @@ from app_driver import FOREST, VILLAGE, free_port, stream_outputs
 from gradio_client import Client, handle_file
 from outbox import take
 from lingbot_core.boundary.events import KeyStateEvent
-from lingbot_core.protocols.sglang.backend import RemoteConfig, RemoteEngine, create_remote_engine, png_bytes
+from lingbot_core.protocols.sglang.backend import RemoteConfig, SglangEngine, create_remote_engine, png_bytes
 from lingbot_core.protocols.sglang.client import RealtimeClient, list_models
-from lingbot_core.protocols.sglang.model_config import remote_model_config
+from lingbot_core.protocols.model_config import remote_model_config
 from lingbot_core.protocols.sglang.protocol import InitRequest
 from lingbot_core.boundary.requests import parse_start
 from lingbot_core.boundary.requests import BlockControl
@@ -108,8 +108,8 @@ def oracle():
     engine.shutdown()
 
 
-def remote_engine(*servers: ServerProcess, **config) -> RemoteEngine:
-    return RemoteEngine([s.url for s in servers], remote_model_config("tiny"), EngineConfig(**config),
+def remote_engine(*servers: ServerProcess, **config) -> SglangEngine:
+    return SglangEngine([s.url for s in servers], remote_model_config("tiny"), EngineConfig(**config),
                         RemoteConfig(receive_timeout_s=30, open_timeout_s=10, backoff_s=0.5))
 
 

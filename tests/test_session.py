@@ -499,7 +499,7 @@ def test_replay_reproduces_the_identical_latents_offline(pipe, pool, pages, imag
     # The offline command's path: the JSONL script through read_events, then Pipeline.rollout.
     events_path = tmp_path / "replay.jsonl"
     events_path.write_text(replay.to_events_jsonl())
-    controls = controls_from_events(read_events(events_path.read_text(), BLOCK), BLOCK)
+    controls = controls_from_events(read_events(events_path.read_text(), BLOCK), pipe.config)
     offline = [o.latents for o in pipe.rollout(image, replay.prompt, replay.seed, controls)]
     assert len(offline) == len(latents)
     for block, (a, b) in enumerate(zip(latents, offline)):
@@ -532,3 +532,87 @@ def test_prompts_reach_the_tokenizer_cleaned_once(pipe, pool, pages, image, monk
             assert session.replay.blocks[-1]["prompt"] == official_clean(raw)
     finally:
         session.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Camera motion (vLLM-Omni's SE(3) interactions) and prompt-only events
+
+
+def _yaw(deg: float) -> list[float]:
+    half = np.radians(deg) / 2
+    return [0.0, float(np.sin(half)), 0.0, float(np.cos(half))]
+
+
+def test_camera_motion_drives_the_poses_and_its_replay_regenerates_offline(pipe, pool, pages, image, tmp_path):
+    """A velocity holds until replaced; a target glides and holds; keys take over from a motion and a motion from
+    keys; a prompt-only event leaves the camera as it was. The replay keeps the poses of motion blocks, and its
+    events file regenerates every block's latents bit for bit."""
+    from lingbot_core.model.camera_motion import CameraMotion, advance
+
+    session = _session(pipe, pool, pages, image)
+    forward = {"mode": "velocity", "translation": [0, 0, 0.05], "rotation": [0, 0, 0, 1]}
+    script = [
+        [{"event_id": 1, "camera": forward}],
+        [],  # the velocity holds
+        [{"event_id": 2, "camera": {"mode": "target", "translation": [0.3, 0, 0.2], "rotation": _yaw(30), "steps": 4}}],
+        [],  # the glide ends in this block (4 latent steps) and the pose then holds
+        [{"event_id": 3, "keys": ["j"]}],  # keys take over
+        [{"event_id": 4, "prompt": OTHER_PROMPT}],  # the text changes, J stays held
+        [{"event_id": 5, "camera": {"mode": "velocity", "rotation": _yaw(-6)}}],  # a motion: J stops
+    ]
+    latents, poses_seen = [], []
+    for events in script:
+        for event in events:
+            session.post_event(event)
+        before = session.rollout.camera.pose.copy()
+        out = session.step()
+        latents.append(out.latents)
+        poses_seen.append((before, np.array(out.poses)))
+    blocks = session.replay.blocks
+    # block 0: forward 0.05 a latent frame from the start; block 1 goes on from there
+    assert np.allclose(poses_seen[0][1][:, 2, 3], [0.05, 0.10, 0.15]) and "poses" in blocks[0]
+    assert np.allclose(poses_seen[1][1][:, 2, 3], [0.20, 0.25, 0.30])
+    # blocks 2-3: the target is reached on its 4th latent step and holds
+    target = CameraMotion.toward(poses_seen[2][0], [0.3, 0, 0.2], _yaw(30), 4)
+    expected, after = advance(target, poses_seen[2][0], BLOCK)
+    assert np.allclose(poses_seen[2][1], expected)
+    assert np.allclose(poses_seen[3][1][0][:3, 3], [0.3, 0, 0.2]) and np.allclose(poses_seen[3][1][-1], poses_seen[3][1][0])
+    # block 4: keys drive (key sets in the replay), block 5: still J held, with the new text
+    assert blocks[4]["frames"] == [["j"]] * BLOCK and blocks[5]["frames"] == [["j"]] * BLOCK
+    assert blocks[5]["prompt"] == OTHER_PROMPT
+    # block 6: a motion again: J released, a yaw of -6 degrees a latent frame in the camera's frame
+    assert "poses" in blocks[6] and session.held_keys == frozenset()
+    step = np.linalg.inv(poses_seen[6][0]) @ poses_seen[6][1][0]
+    assert np.allclose(step[:3, :3], camera.rotation_y(-6.0), atol=1e-12)
+
+    events_path = tmp_path / "replay.jsonl"
+    events_path.write_text(session.replay.to_events_jsonl())
+    controls = controls_from_events(read_events(events_path.read_text(), BLOCK), pipe.config)
+    offline = [o.latents for o in pipe.rollout(image, PROMPT, SEED, controls)]
+    for block, (a, b) in enumerate(zip(latents, offline, strict=True)):
+        assert torch.equal(a, b), f"block {block}"
+    session.close()
+
+
+def test_bad_camera_events_are_refused_whole(pipe, pool, pages, image):
+    session = _session(pipe, pool, pages, image)
+    cases = [
+        ({"event_id": 1, "camera": {"mode": "spin"}}, "mode must be one of"),
+        ({"event_id": 1, "camera": {"mode": "velocity", "rotation": [0, 0, 0, 0]}}, "non-zero quaternion"),
+        ({"event_id": 1, "camera": {"mode": "velocity", "translation": [0, float("nan"), 0]}}, "finite"),
+        ({"event_id": 1, "camera": {"mode": "target", "steps": -1}}, "steps"),
+        ({"event_id": 1, "poses": [np.eye(4).tolist()] * (BLOCK - 1)}, "4x4 matrices"),
+        ({"event_id": 1, "poses": [(np.eye(4) * 2).tolist()] * BLOCK}, "rigid"),
+        ({"event_id": 1, "keys": ["w"], "camera": {"mode": "velocity"}}, "exactly one of"),
+        ({"event_id": 1}, "exactly one of"),
+    ]
+    for raw, text in cases:
+        with pytest.raises(EventError, match=text):
+            session.post_event(raw)
+    assert len(session.queue) == 0
+    session.close()
+
+
+def test_a_motion_script_is_live_input_only(pipe):
+    with pytest.raises(EventError, match="live input"):
+        controls_from_events(read_events('{"event_id": 0, "camera": {"mode": "velocity"}}\n', BLOCK), pipe.config)

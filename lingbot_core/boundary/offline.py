@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from lingbot_core.config import ModelConfig
-from lingbot_core.boundary.events import EventError, KeyStateEvent, MAX_EVENT_LINE_BYTES, ScriptEvent, read_events
+from lingbot_core.boundary.events import (EventError, KeyStateEvent, MAX_EVENT_LINE_BYTES, MotionEvent, PoseEvent,
+                                          PromptEvent, ScriptEvent, read_events)
 from lingbot_core.model import camera
 from lingbot_core.boundary.requests import StartRequest, parse_start
 from lingbot_core.boundary.requests import BlockControl
@@ -42,14 +43,26 @@ class RenderRequest:
     note: str = ""  # what the request took from its input, in words (a trajectory's frames used and dropped)
 
 
-def controls_from_events(events: list, frames_per_block: int) -> list[BlockControl]:
-    """A script event is one block; a key-state event holds its keys for one whole block."""
+def controls_from_events(events: list, config: ModelConfig) -> list[BlockControl]:
+    """A script event is one block; a key-state event holds its keys for one whole block; a pose script gives one
+    block's poses, read as a live session reads them (key-input intrinsics, translations in key steps). A camera
+    motion is live input only (it acts on the pose where a block begins): a replay records its poses."""
+    frames_per_block = config.transformer.num_frames_per_block
     controls = []
     for event in events:
         if isinstance(event, ScriptEvent):
             controls.append(BlockControl(actions=event.frames, prompt=event.prompt))
         elif isinstance(event, KeyStateEvent):
             controls.append(BlockControl(actions=(event.keys,) * frames_per_block, prompt=event.prompt))
+        elif isinstance(event, PromptEvent):  # a block with no keys, from which the new text holds
+            controls.append(BlockControl(actions=(frozenset(),) * frames_per_block, prompt=event.prompt))
+        elif isinstance(event, PoseEvent):
+            intrinsics = camera.reference_intrinsics(config.camera, frames_per_block, config.width, config.height)
+            controls.append(BlockControl(poses=np.array(event.poses), intrinsics=intrinsics,
+                                         translation_scale=config.camera.move_step, prompt=event.prompt))
+        elif isinstance(event, MotionEvent):
+            raise EventError(f"event {event.event_id}: a camera motion is live input; a script gives each block's "
+                             "keys ('frames') or poses ('poses')")
     return controls
 
 
@@ -94,7 +107,7 @@ def read_script(text: str | None, path: str | os.PathLike | None, config: ModelC
     events = read_events(text, frames_per_block, config.text.max_prompt_chars, max_events=max_blocks)
     if not events:
         raise EventError("the action script holds no events")
-    return controls_from_events(events, frames_per_block)
+    return controls_from_events(events, config)
 
 
 def read_trajectory(poses_path, intrinsics_path, trusted_root, config: ModelConfig,

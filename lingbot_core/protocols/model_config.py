@@ -3,7 +3,7 @@
 The app needs the model's frame size, frame rate, block length and prompt limit to parse starts and
 events and to encode video; a remote backend loads no model, so they come from:
 - no --model (or the 14B preset's name, or a Hub id, which is never downloaded here): the real preset,
-  lingbot-world-v2-14b at 832x480, as a remote SGLang serves it;
+  lingbot-world-v2-14b at 832x480, as a remote SGLang or vLLM-Omni serves it;
 - a preset name ("embedded", or "tiny" for tests): that preset (e.g. our own protocol server playing the
   embedded model at 160x96);
 - a local diffusers folder: its transformer/config.json, at 832x480 with the Wan 2.1 VAE's factors.

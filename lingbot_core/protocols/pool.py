@@ -5,7 +5,7 @@ refuses a session (close 1008: "another realtime session is already active", e.g
 holds it) is marked busy; one that cannot be reached, times out or drops a session is marked down. Either
 is skipped until its retry time, which doubles with each failure in a row (backoff_s, 2 x backoff_s, ...
 up to max_backoff_s) and resets once it delivers a chunk. The pool holds no lock of its own: its owner
-(lingbot_core/protocols/sglang/backend.py) calls it under its table lock, with its injected clock's `now`.
+(lingbot_core/protocols/remote_engine.py) calls it under its table lock, with its injected clock's `now`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,15 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from lingbot_core.protocols.sglang.client import generate_url
+from urllib.parse import urlsplit
+
+
+def check_server_url(url: str) -> str:
+    """A realtime server's address: ws://host:port or wss://host:port (a path, if any, is the protocol's)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("ws", "wss") or not parts.netloc:
+        raise ValueError(f"a realtime server address is ws://host:port or wss://host:port, got {url!r}")
+    return url
 
 
 class ServerState(enum.Enum):
@@ -41,7 +49,7 @@ class ServerPool:
         if not urls:
             raise ValueError("a remote backend needs at least one realtime server address (ws://host:port)")
         for url in urls:
-            generate_url(url)  # a ValueError naming the address if it is not ws:// or wss://
+            check_server_url(url)  # a ValueError naming the address if it is not ws:// or wss://
         duplicates = sorted({url for url in urls if urls.count(url) > 1})
         if duplicates:  # one server is one seat: listing it twice would seat two sessions on it
             raise ValueError(f"realtime server listed more than once: {', '.join(duplicates)}")

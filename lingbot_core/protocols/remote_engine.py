@@ -1,31 +1,32 @@
-"""The engine over a pool of SGLang realtime servers: a drop-in for serving/engine.py's Engine.
+"""The engine over a pool of remote realtime servers, whatever their protocol: a drop-in for serving/engine.py's
+Engine. A protocol's backend (lingbot_core/protocols/sglang/backend.py, lingbot_core/protocols/vllm_omni/backend.py)
+subclasses it with how to connect, start a world, send an event and read a chunk; everything else is here.
 
 LiveService and app.py use it as they use the local engine: `admit` gives a Ticket, the session's outbox
 (`next_message`) gives Waiting, NewWorld, Block, Failed and Closed in order, and `post_event`, `reset`,
-`close`, `withdraw`, `pace`, `stats`, `session_status`, `replay`, `render` and `shutdown` do what they do
-there. The differences, and why:
+`close`, `withdraw`, `pace`, `keep_alive`, `stats`, `session_status`, `replay`, `render` and `shutdown` do what
+they do there. The differences, and why:
 
-- Seats: upstream serves one session per server, so each server URL is one seat (lingbot_core/protocols/sglang/
-  pool.py): `capacity` is the pool size and admission is by free servers, not bytes. The waiting line,
-  its positions, the ticket TTL and the refusal of a full line are the local engine's.
-- One thread per session: it waits for a seat, connects and sends the init (the start picture as PNG,
-  prompt, seed, the model's size, raw frames, server-side pacing), then turns each received chunk into a
-  Block. It stops reading while max_lead_blocks + 1 blocks wait unread, so TCP holds the server back: a
-  viewer who stops watching costs the server nothing once its buffers fill. `pace` is accepted and does
-  nothing: the server paces itself (realtime_output_pacing).
-- Server trouble: a refusal before the first chunk ("another realtime session is already active", close
-  1008) marks the server busy and the session quietly takes the next free seat. Anything else (unreachable,
-  no message within receive_timeout_s, a drop, a broken protocol, the generate loop's error, a refusal
-  mid-world) marks it down (busy for a refusal) and the session gets a Failed message naming the server and
-  what happened, goes back to the FRONT of the line and restarts its world from its start request on the
-  next free seat (a NewWorld), at most max_restarts times in a row; then it closes with the reason. Busy and
-  down servers are retried after a backoff that doubles per failure (pool.py).
+- Seats: upstream serves one session per server (SGLang and vLLM-Omni alike), so each server URL is one seat
+  (lingbot_core/protocols/pool.py): `capacity` is the pool size and admission is by free servers, not bytes. The
+  waiting line, its positions, the ticket TTL and the refusal of a full line are the local engine's.
+- One thread per session: it waits for a seat, connects and starts the world (the protocol's start message: the
+  start picture, prompt, seed, the model's size), then turns each received chunk into a Block. It stops reading
+  while max_lead_blocks + 1 blocks wait unread, so TCP holds the server back: a viewer who stops watching costs
+  the server nothing once its buffers fill.
+- Server trouble: a refusal before the first chunk (a busy server) marks the server busy and the session
+  quietly takes the next free seat. Anything else (unreachable, no message within receive_timeout_s, a drop, a
+  broken protocol, the server's generation error, a refusal mid-world) marks it down (busy for a refusal) and
+  the session gets a Failed message naming the server and what happened, goes back to the FRONT of the line and
+  restarts its world from its start request on the next free seat (a NewWorld), at most max_restarts times in a
+  row; then it closes with the reason. Busy and down servers are retried after a backoff that doubles per
+  failure (pool.py).
 - Events keep our ids (increasing per session, stale ones refused as the local session refuses them) and go
-  out at once (client.send_engine_event); events posted while the session has no connection wait and go
-  after the next init. A chunk applies the events up to its event_id; the replay entry records those ids
-  and the key sets of its latent frames as the server applies them (actions.CameraInput, the server's rule).
+  out at once; events posted while the session has no connection wait and go after the next start. Which
+  events a chunk applied, and the replay entry that records them, the protocol's backend works out from what
+  its chunks say (`_chunk_block_locked`).
 - A reset closes the WebSocket and opens a new one on the same seat; Stop, a closed tab, a disconnect and
-  the idle TTL (no input for idle_ttl_s on the injected clock) close it and free the seat.
+  the idle TTL (no input, or a ping, for idle_ttl_s on the injected clock) close it and free the seat.
 - Blocks carry no latents (the server keeps them) and name their server in `source`.
 Nothing here touches PyTorch. Every socket operation has a timeout (RemoteConfig).
 
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import threading
 import time
 import uuid
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lingbot_core.config import ModelConfig
-from lingbot_core.boundary.events import Event, EventError, KeyStateEvent, accept_event
+from lingbot_core.boundary.events import Event, EventError, accept_event
 from lingbot_core.boundary.offline import RenderRequest
 from lingbot_core.boundary.image import image_digest
 from lingbot_core.boundary.requests import StartRequest
@@ -60,11 +60,8 @@ from lingbot_core.serving.renders import RenderProgress
 from lingbot_core.serving.replay import Replay
 from lingbot_core.serving.session import SessionStatus
 from lingbot_core.boundary.video import H264Writer
-from lingbot_core.protocols.sglang.actions import CameraInput, script_payload, state_payload
-from lingbot_core.protocols.sglang.client import Ended, Outcome, RealtimeClient, ReceivedChunk, RemoteClosed, RemoteUnavailable
-from lingbot_core.protocols.sglang.model_config import remote_model_config
-from lingbot_core.protocols.sglang.pool import Server, ServerPool, ServerState
-from lingbot_core.protocols.sglang.protocol import InitRequest
+from lingbot_core.protocols.connection import Ended, Outcome, RemoteClosed, RemoteUnavailable
+from lingbot_core.protocols.pool import Server, ServerPool, ServerState
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +106,7 @@ class _Remote:
         self.seen = now  # last read of the outbox: a place in line nobody reads leaves it (ticket_ttl_s)
         self.readers = 0
         self.server: Server | None = None
-        self.client: RealtimeClient | None = None
+        self.client: Any = None  # the protocol's client of the current connection
         self.generation = 0  # bumped by each reset and by the close: a connection of an older one stops
         self.started = False  # a chunk of this connection arrived (its NewWorld is posted)
         self.closed = False
@@ -118,7 +115,7 @@ class _Remote:
         self.last_event_id = -1  # ids increase across resets and restarts, as in the local session
         self.pending: deque[Event] = deque()  # posted while not connected: sent after the next init
         self.sent: deque[Event] = deque()  # sent on this connection, not yet applied by a chunk
-        self.camera = CameraInput()  # the keys as the server applies them, for the replay
+        self.wire: Any = None  # the protocol's record of one connection's input (what its chunks applied)
         self.prompt = request.prompt
         self.last_error: str | None = None
         self.send_lock = threading.Lock()
@@ -134,6 +131,8 @@ class _Remote:
 
 
 class RemoteEngine:
+    protocol = "remote"  # the protocol's name, in messages
+
     def __init__(self, urls, model_config: ModelConfig, config: EngineConfig = EngineConfig(),
                  remote: RemoteConfig = RemoteConfig(), clock: Callable[[], float] = time.monotonic,
                  start_keeper: bool = True) -> None:
@@ -164,7 +163,7 @@ class RemoteEngine:
 
     def describe(self) -> str:
         """Where this backend's worlds are made, for the page."""
-        return (f"Plays from **{self.capacity} remote SGLang realtime server(s)**, one world per server "
+        return (f"Plays from **{self.capacity} remote {self.protocol} realtime server(s)**, one world per server "
                 f"({', '.join(self.urls)}).")
 
     def prompt_notice(self, prompt: str) -> str | None:
@@ -267,15 +266,37 @@ class RemoteEngine:
                 self._close_client(client)
                 return
 
-    def _init_request(self, request: StartRequest, **fields) -> InitRequest:
-        config = self._model_config
-        return InitRequest(prompt=request.prompt, first_frame=png_bytes(request.picture), seed=request.seed,
-                           size=f"{config.width}x{config.height}", realtime_output_format="raw", **fields)
+    # -- what a protocol's backend provides --------------------------------------------------------
 
-    def _connect(self, url: str) -> RealtimeClient:
-        return RealtimeClient.connect(url, open_timeout=self.remote.open_timeout_s,
-                                      receive_timeout=self.remote.receive_timeout_s,
-                                      close_timeout=self.remote.close_timeout_s)
+    def _connect(self, url: str) -> Any:
+        """A connected client of the protocol (RemoteUnavailable if not): `send_engine_event(event)`,
+        `next_chunk() -> chunk | Ended` (a chunk has `frames`, uint8 [N, H, W, 3]) and `close()`."""
+        raise NotImplementedError
+
+    def _start(self, client: Any, request: StartRequest) -> None:
+        """Send the protocol's start of a live world (RemoteClosed if the connection ended)."""
+        raise NotImplementedError
+
+    def _new_wire(self, request: StartRequest) -> Any:
+        """A fresh record of a connection's input, for `_chunk_block_locked`."""
+        return None
+
+    def _check_event(self, event: Event) -> None:
+        """EventError for an event this protocol cannot carry."""
+
+    def _chunk_block_locked(self, session: _Remote, server: Server, chunk: Any,
+                            waited_ms: float) -> tuple[int, dict[str, Any], dict[str, float], float, dict[str, Any]]:
+        """A received chunk as a block: (block index, replay entry, stage ms, block ms, source). It takes the
+        events the chunk applied off `session.sent` and records them in the entry, as the server applied them."""
+        raise NotImplementedError
+
+    def _render_start(self, client: Any, request: RenderRequest) -> None:
+        """Send the start of an offline render of these controls (the server ends it after the last block);
+        RenderRefused for what the protocol cannot carry (checked before a server is taken: `_render_check`)."""
+        raise NotImplementedError
+
+    def _render_check(self, request: RenderRequest) -> None:
+        """RenderRefused for a render this protocol cannot carry."""
 
     def _play(self, session: _Remote, server: Server, generation: int, request: StartRequest) -> None:
         try:
@@ -286,7 +307,7 @@ class RemoteEngine:
                     self._lost_locked(session, server, ServerState.DOWN, f"could not be reached ({exc})")
             return
         try:
-            client.init(self._init_request(request, realtime_output_pacing=self.remote.output_pacing))
+            self._start(client, request)
         except RemoteClosed as exc:
             client.close()
             with self._lock:
@@ -299,7 +320,7 @@ class RemoteEngine:
                 if current:
                     session.client, session.started = client, False
                     session.sent.clear()
-                    session.camera, session.prompt = CameraInput(), request.prompt
+                    session.wire, session.prompt = self._new_wire(request), request.prompt
                     pending = list(session.pending)
                     session.pending.clear()
                     session.sent.extend(pending)
@@ -319,7 +340,7 @@ class RemoteEngine:
                 if session.client is client:
                     session.client = None
 
-    def _receive(self, session: _Remote, server: Server, generation: int, client: RealtimeClient) -> None:
+    def _receive(self, session: _Remote, server: Server, generation: int, client: Any) -> None:
         lead = self.config.max_lead_blocks
         last = time.monotonic()
         while True:
@@ -334,13 +355,13 @@ class RemoteEngine:
                 if session.generation != generation or session.closed:
                     return  # a reset or a close ended this connection (item is our own CLOSED)
                 config = self._model_config
-                if isinstance(item, ReceivedChunk) and item.frames.shape[1:3] != (config.height, config.width):
+                if not isinstance(item, Ended) and item.frames.shape[1:3] != (config.height, config.width):
                     # Another model or size than this app plays: its frames cannot join this stream.
                     self._lost_locked(session, server, ServerState.DOWN,
                                       f"it sent {item.frames.shape[2]}x{item.frames.shape[1]} frames, this app plays "
                                       f"{config.width}x{config.height} (does --model name the model it serves?)")
                     return
-                if isinstance(item, ReceivedChunk):
+                if not isinstance(item, Ended):
                     now = time.monotonic()
                     self._take_chunk_locked(session, server, item, 1000.0 * (now - last))
                     last = now
@@ -348,43 +369,16 @@ class RemoteEngine:
                 self._ended_locked(session, server, item)
                 return
 
-    def _take_chunk_locked(self, session: _Remote, server: Server, chunk: ReceivedChunk, waited_ms: float) -> None:
+    def _take_chunk_locked(self, session: _Remote, server: Server, chunk: Any, waited_ms: float) -> None:
         if not session.started:
             session.started = True
             self.pool.mark_ok(server)
             session.replay = self._header(session.request)
             session.outbox.append(NewWorld(session.replay.copy()))
         session.restarts = 0
-        # The events this chunk applied: every one sent up to its event_id, in order.
-        applied = []
-        while session.sent and chunk.event_id is not None and session.sent[0].event_id <= chunk.event_id:
-            applied.append(session.sent.popleft())
-        prompt = session.prompt
-        for event in applied:
-            session.camera.apply(state_payload(event.keys) if isinstance(event, KeyStateEvent)
-                                 else script_payload(event.frames))
-            if event.prompt is not None:
-                session.prompt = event.prompt
-        frames = session.camera.next_block(self._model_config.transformer.num_frames_per_block)
-        entry: dict[str, Any] = {"frames": [sorted(keys) for keys in frames],
-                                 "event_ids": [event.event_id for event in applied]}
-        if session.prompt != prompt:
-            entry["prompt"] = session.prompt
+        index, entry, stage_ms, block_ms, source = self._chunk_block_locked(session, server, chunk, waited_ms)
         session.replay.blocks.append(dict(entry))
-        stats = chunk.stats
-        if stats is not None:
-            stage_ms = {"request_prepare": stats.request_prepare_ms, "forward": stats.scheduler_forward_ms,
-                        "pace_wait": stats.pace_wait_ms, "header_write": stats.header_write_ms,
-                        "raw_payload_build": stats.raw_payload_build_ms, "raw_write": stats.raw_write_ms,
-                        "ws_write": stats.ws_write_ms, "chunk_total": stats.chunk_total_ms}
-            block_ms = stats.scheduler_forward_ms or stats.chunk_total_ms
-            source = {"server": server.url, "forward_ms": stats.scheduler_forward_ms,
-                      "total_ms": stats.chunk_total_ms, "bytes": stats.ws_payload_bytes}
-        else:  # the session ended between the chunk's frames and its stats: the time it took to arrive
-            stage_ms, block_ms = {}, waited_ms
-            source = {"server": server.url, "forward_ms": None, "total_ms": None, "bytes": chunk.frames.nbytes}
-        session.outbox.append(Block(chunk.chunk_index, chunk.frames, None, stage_ms, block_ms, entry,
-                                    source=source))
+        session.outbox.append(Block(index, chunk.frames, None, stage_ms, block_ms, entry, source=source))
         self._changed.notify_all()
 
     def _ended_locked(self, session: _Remote, server: Server, ended: Ended) -> None:
@@ -434,6 +428,7 @@ class RemoteEngine:
         ValueError) names what is wrong, UnknownSession when it is closed."""
         config = self._model_config  # the local session's checks, so a bad event is refused the same way
         event = accept_event(raw, config.transformer.num_frames_per_block, config.text.max_prompt_chars)
+        self._check_event(event)
         with self._lock:
             session = self._open_locked(session_id)
         with session.send_lock:
@@ -477,6 +472,13 @@ class RemoteEngine:
                 self._changed.notify_all()
         self._close_client(client)
 
+    def keep_alive(self, session_id: str) -> None:
+        """A ping from the viewer's client: the idle clock starts again."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is not None:
+                session.last_input = self.clock()
+
     def prewarm(self, pictures) -> None:
         """As Engine.prewarm, with nothing to do here: each server encodes its own condition streams."""
 
@@ -496,7 +498,16 @@ class RemoteEngine:
             return session
 
         with self._lock:
-            return read_outbox(self._changed, holder, lambda: self._closed.message(session_id), self.clock, timeout)
+            message = read_outbox(self._changed, holder, lambda: self._closed.message(session_id), self.clock,
+                                  timeout)
+            session = self._sessions.get(session_id) if isinstance(message, Block) else None
+            client = session.client if session is not None else None
+        if client is not None:
+            self._consumed(client, session, message)  # outside the lock: it may write to the socket
+        return message
+
+    def _consumed(self, client: Any, session: _Remote, block: Block) -> None:
+        """The viewer took this block (a protocol that paces by the playhead tells its server)."""
 
     def close(self, session_id: str, reason: str = "closed", cause: CloseCause = CloseCause.USER) -> None:
         """Close the session or its place in line (idempotent): the WebSocket closes, the seat frees and the
@@ -509,7 +520,7 @@ class RemoteEngine:
         self._close_client(client)
 
     def _close_locked(self, session: _Remote, reason: str, cause: CloseCause = CloseCause.USER
-                      ) -> RealtimeClient | None:
+                      ) -> Any:
         """Returns the connection to close (outside the lock)."""
         if session.closed:
             return None
@@ -531,7 +542,7 @@ class RemoteEngine:
         return client
 
     @staticmethod
-    def _close_client(client: RealtimeClient | None) -> None:
+    def _close_client(client: Any) -> None:
         if client is not None:
             client.close()
 
@@ -575,32 +586,31 @@ class RemoteEngine:
     # -- offline render ----------------------------------------------------------------------------
 
     def render(self, request: RenderRequest, out_path: Path, owner: str | None = None, progress=None) -> int:
-        """An offline video over one free server: the whole script as the init's camera_actions (a script
-        queue, one key set per latent frame), max_chunks = its blocks, frames written as they come.
+        """An offline video over one free server: the whole script in the protocol's start (`_render_start`), the
+        server making exactly its blocks, frames written as they come.
 
-        Refused (RenderRefused) for a camera trajectory (the protocol carries keys, not poses), for a script
+        Refused (RenderRefused) for a camera trajectory (both protocols carry keys, not poses), for a script
         that switches the prompt (a prompt event applies at whichever chunk boundary it reaches, so it cannot
-        be tied to a block) and when no server is free. `owner` is not needed: a render holds a server of its
-        own, never a live world's; `progress` hears each block written."""
+        be tied to a block), for what else the protocol cannot carry (`_render_check`) and when no server is
+        free. `owner` is not needed: a render holds a server of its own, never a live world's; `progress` hears
+        each block written."""
         if request.start_camera is not None or any(c.poses is not None for c in request.controls):
             raise RenderRefused("the remote servers take keys, not camera trajectories: use an action script, "
                                 "or run the app with the local backend for poses.npy + intrinsics.npy")
         if any(c.prompt is not None and c.prompt != request.start.prompt for c in request.controls):
             raise RenderRefused("an action script that switches the prompt cannot be rendered remotely (a prompt "
                                 "event cannot be tied to a block there); remove the prompts from the script")
-        frames = [keys for control in request.controls for keys in control.actions]
+        self._render_check(request)
         holder = f"render-{uuid.uuid4().hex}"
         with self._lock:
             server = None if self._stopped else self.pool.take(holder, self.clock())
         if server is None:
             raise RenderRefused(f"every remote server is taken ({self.capacity}); try again when a world ends")
         config = self._model_config
-        written, finished, client = 0, False, None
+        written, finished, client, item = 0, False, None, None
         try:
             client = self._connect(server.url)
-            client.init(self._init_request(request.start, max_chunks=len(request.controls),
-                                           realtime_output_pacing=False,
-                                           condition_inputs={"camera_actions": script_payload(frames)}))
+            self._render_start(client, request)
             writer = H264Writer(out_path, width=config.width, height=config.height, fps=config.fps)
             try:
                 while True:
@@ -634,7 +644,7 @@ class RemoteEngine:
 
     # -- housekeeping and shutdown -----------------------------------------------------------------
 
-    def _expire_locked(self) -> list[RealtimeClient | None]:
+    def _expire_locked(self) -> list[Any]:
         now = self.clock()
         clients = []
         for session in list(self._sessions.values()):
@@ -688,25 +698,3 @@ class RemoteEngine:
 
     def __exit__(self, *exc_info) -> None:
         self.shutdown()
-
-
-def sglang_urls(urls=None, environ=os.environ) -> list[str]:
-    """The servers named on the command line (--sglang-url, repeatable), else $LINGBOT_SGLANG_URLS (comma
-    separated)."""
-    given = [u.strip() for u in (urls or []) if u and u.strip()]
-    if given:
-        return given
-    return [u.strip() for u in environ.get("LINGBOT_SGLANG_URLS", "").split(",") if u.strip()]
-
-
-def create_remote_engine(urls=None, model: str | None = None, config: EngineConfig = EngineConfig(),
-                         remote: RemoteConfig = RemoteConfig(), environ=os.environ) -> RemoteEngine:
-    """The app's `--backend sglang`: a RemoteEngine over the given servers (or $LINGBOT_SGLANG_URLS); the model
-    config from `model`, $LINGBOT_MODEL or $LINGBOT_TEST_PRESET (tests), else the 14B preset
-    (remote/model_config.py). Loads no weights. ValueError names what is missing."""
-    urls = sglang_urls(urls, environ)
-    if not urls:
-        raise ValueError("--backend sglang needs the realtime servers: --sglang-url ws://host:port (repeat it for "
-                         "each server) or LINGBOT_SGLANG_URLS=ws://h1:30000,ws://h2:30000")
-    model = model or environ.get("LINGBOT_MODEL") or environ.get("LINGBOT_TEST_PRESET") or None
-    return RemoteEngine(urls, remote_model_config(model), config, remote)

@@ -257,6 +257,9 @@ class Backend(Protocol):
     def next_message(self, session_id: str, timeout: float | None = None) -> Message | None:
         """The consumer's next message; None on timeout; its Closed once closed."""
 
+    def keep_alive(self, session_id: str) -> None:
+        """The client is there without input (a ping): the idle clock starts again."""
+
     def pace(self, session_id: str, start_in_s: float) -> None:
         """Start the session's next block this many seconds from now (just in time for its viewer)."""
 

@@ -417,6 +417,14 @@ class Engine:
             live.start_at = self.clock() + start_in_s
             self._changed.notify_all()
 
+    def keep_alive(self, session_id: str) -> None:
+        """The client is there though it sends no input (a protocol's ping): the idle clock starts again. A
+        session still in line, or closed, is left as it is."""
+        with self._lock:
+            live = self._sessions.get(session_id)
+            if live is not None:
+                live.session.last_input = self.clock()
+
     def close(self, session_id: str, reason: str = "closed", cause: CloseCause = CloseCause.USER) -> None:
         """Close a session (by the user, or on consumer disconnect), or take its place out of the line;
         idempotent, returns every page, and seats whoever the room now fits."""

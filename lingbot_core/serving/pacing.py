@@ -8,10 +8,18 @@ makes them; `AdaptiveLead` keeps each viewer's lead as small as its playback all
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from lingbot_core.serving.streaming import StreamConfig
+
+class LeadBounds(Protocol):
+    """The lead's settings (StreamConfig in serving/streaming.py has them)."""
+
+    lead_s: float
+    lead_min_s: float
+    lead_max_s: float
+    lead_up_s: float
+    lead_down_s: float
+    lead_calm_blocks: int
 
 
 class PlaybackClock:
@@ -58,7 +66,7 @@ class AdaptiveLead:
     not have helped: nothing changes. Each `lead_calm_blocks` blocks in a row without a stall take
     `lead_down_s` back, so the lead finds the least that plays smoothly and follows the machine's load."""
 
-    def __init__(self, config: StreamConfig) -> None:
+    def __init__(self, config: LeadBounds) -> None:
         self.config = config
         self.lead_s = config.lead_s
         self._calm = 0

@@ -1,5 +1,5 @@
 """A world's replay log: enough to regenerate its identical latents offline (image hash, seed, prompts and the key
-sets each block applied), and the action script that replays it with `python -m lingbot_core.generate --events`."""
+sets, or the poses, each block applied), and the action script that replays it with `python -m lingbot_core.generate --events`."""
 
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ class Replay:
         """The action script that `python -m lingbot_core.generate --events` replays block for block."""
         lines = []
         for index, block in enumerate(self.blocks):
-            event = {"event_id": index, "frames": block["frames"]}
+            # a block driven by camera motion was recorded as its poses: a pose script replays it exactly
+            event = {"event_id": index, **({"poses": block["poses"]} if "poses" in block else
+                                           {"frames": block["frames"]})}
             if "prompt" in block:
                 event["prompt"] = block["prompt"]
             lines.append(json.dumps(event))

@@ -28,13 +28,16 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from lingbot_core.blocks.condition_cache import ConditionCache
-from lingbot_core.boundary.events import Event, EventError, ScriptEvent, accept_event, block_keys
+from lingbot_core.boundary.events import (Event, EventError, KeyStateEvent, MotionEvent, PoseEvent, ScriptEvent,
+                                          accept_event, block_keys)
 from lingbot_core.boundary.image import image_digest
 from lingbot_core.blocks.kv_cache import KVPagePool
 from lingbot_core.blocks.pages import PageAllocator
 from lingbot_core.boundary.requests import StartRequest
 from lingbot_core.boundary.requests import BlockControl
 from lingbot_core.blocks.rollout import BlockOutput, RolloutState, release
+from lingbot_core.model import camera
+from lingbot_core.model.camera_motion import CameraMotion, advance
 from lingbot_core.serving.memory import Footprint, committed_bytes, in_flight_bytes
 from lingbot_core.serving.replay import Replay
 
@@ -60,6 +63,7 @@ class _Plan:
     control: BlockControl
     consumed: int  # queued events this block applies
     held_after: frozenset[str]
+    motion_after: CameraMotion | None  # the SE(3) camera command in force after the block
     event_ids: tuple[int, ...]
 
 
@@ -89,6 +93,7 @@ class Session:
         self.queue: deque[Event] = deque()
         self._failed_event_ids: tuple[int, ...] = ()  # the input of the last failed block
         self.held_keys: frozenset[str] = frozenset()
+        self.motion: CameraMotion | None = None  # an SE(3) camera command in force (camera motion events)
         self.last_input = self.last_consumed = clock()
         self.rollout: RolloutState | None = None
         self._replay: Replay | None = None  # grows with each commit: read only under the lock
@@ -107,6 +112,7 @@ class Session:
             self.queue.clear()  # input meant for the old world; its ids stay spent
             self.event_floor = self._last_event_id
             self.held_keys = frozenset()
+            self.motion = None
             self.status = SessionStatus.ACTIVE
             self.last_error = None
             self.last_input = self.clock()
@@ -175,22 +181,53 @@ class Session:
         """This block's control from the queue (caller holds the lock); the queue itself is not changed.
 
         Key-state events reduce as upstream's reducer does (events.block_keys): the last state holds, and the
-        last non-empty state, when it differs, is the first frame's one pulse. A script event ends the
-        block's input: it gives the block's frames (plus the keys held by then), and later events wait.
+        last non-empty state, when it differs, is the first frame's one pulse. A script event (keys or poses)
+        ends the block's input: it gives the block's frames (plus the keys held by then), and later events wait.
+        Camera motion (an SE(3) velocity or target, vLLM-Omni's camera interaction) and held keys are two ways
+        to drive the camera: the later input of the two wins, and the other stops (a newer camera event
+        cancels the one in force, as upstream). A motion in force gives the block's poses from the camera's
+        pose at the block boundary (model/camera_motion.advance), normalised by the key step, so a velocity of
+        one step a latent frame reads as a held key does.
         """
-        frames_per_block = self.pipeline.config.transformer.num_frames_per_block
+        config = self.pipeline.config
+        frames_per_block = config.transformer.num_frames_per_block
         snapshots, prompt, ids, script = [], None, [], None
+        motion, motion_event = self.motion, None
         for event in self.queue:
             ids.append(event.event_id)
             prompt = event.prompt if event.prompt is not None else prompt
-            if isinstance(event, ScriptEvent):
+            if isinstance(event, (ScriptEvent, PoseEvent)):
                 script = event
                 break
-            snapshots.append(event.keys)
-        frames, held = block_keys(self.held_keys, snapshots, frames_per_block)
+            if isinstance(event, MotionEvent):
+                motion_event, snapshots = event, []  # keys before it are over; the keys held stop
+            elif isinstance(event, KeyStateEvent):
+                snapshots.append(event.keys)
+                motion_event, motion = None, None  # key input after a motion: keys drive from here
+        held_before = frozenset() if motion_event is not None else self.held_keys
+        frames, held = block_keys(held_before, snapshots, frames_per_block)
+        if isinstance(script, PoseEvent):
+            return _Plan(self._pose_control(script.poses, prompt), len(ids), held, None, tuple(ids))
         if script is not None:
             frames = tuple(keys | held for keys in script.frames)
-        return _Plan(BlockControl(actions=frames, prompt=prompt), len(ids), held, tuple(ids))
+            return _Plan(BlockControl(actions=frames, prompt=prompt), len(ids), held, None, tuple(ids))
+        if motion_event is not None:
+            pose = self.rollout.camera.pose
+            motion = (CameraMotion.velocity(motion_event.translation, motion_event.rotation)
+                      if motion_event.mode == "velocity" else
+                      CameraMotion.toward(pose, motion_event.translation, motion_event.rotation, motion_event.steps))
+        if motion is None:
+            return _Plan(BlockControl(actions=frames, prompt=prompt), len(ids), held, None, tuple(ids))
+        poses, motion_after = advance(motion, self.rollout.camera.pose, frames_per_block)
+        return _Plan(self._pose_control(poses, prompt), len(ids), frozenset(), motion_after, tuple(ids))
+
+    def _pose_control(self, poses, prompt: str | None) -> BlockControl:
+        """A block driven by poses as key input is: the key-input intrinsics, translations in key steps."""
+        config = self.pipeline.config
+        frames = config.transformer.num_frames_per_block
+        return BlockControl(poses=poses, intrinsics=camera.reference_intrinsics(config.camera, frames, config.width,
+                                                                                config.height),
+                            translation_scale=config.camera.move_step, prompt=prompt)
 
     # -- the block ---------------------------------------------------------------------------------
 
@@ -223,8 +260,11 @@ class Session:
             raise
 
         # Commit: the rollout, the consumed events, the held keys and the replay move together.
-        record: dict[str, Any] = {"frames": [sorted(keys) for keys in plan.control.actions],
-                                  "event_ids": list(plan.event_ids)}
+        if plan.control.poses is not None:  # driven by poses: the replay keeps them (what regenerates the block)
+            record: dict[str, Any] = {"poses": [pose.tolist() for pose in plan.control.poses],
+                                      "event_ids": list(plan.event_ids)}
+        else:
+            record = {"frames": [sorted(keys) for keys in plan.control.actions], "event_ids": list(plan.event_ids)}
         if switch:
             record["prompt"] = committed.prompt
         with self._lock:
@@ -235,6 +275,7 @@ class Session:
             if plan.event_ids:
                 self.event_floor = plan.event_ids[-1]
             self.held_keys = plan.held_after
+            self.motion = plan.motion_after
             self._replay.blocks.append(record)
             self.status = SessionStatus.ACTIVE
             self.last_error = None

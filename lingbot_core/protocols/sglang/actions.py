@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from lingbot_core.boundary.events import Event, KeyStateEvent, ScriptEvent
+from lingbot_core.boundary.events import Event, KeyStateEvent, PromptEvent, ScriptEvent
 from lingbot_core.model.camera import VALID_KEYS
 from lingbot_core.protocols.sglang.protocol import (MAX_SCRIPT_FRAMES, CameraActions, CameraScript, CameraState, CompositeInput,
                        EventMessage, Transition)
@@ -38,6 +38,8 @@ def script_payload(frames: Iterable[Iterable[str]]) -> CameraScript:
 
 def event_to_message(event: Event) -> EventMessage:
     """One of our events as one protocol event with the same event_id."""
+    if isinstance(event, PromptEvent):
+        return EventMessage("prompt", event.prompt, event.event_id)
     if isinstance(event, KeyStateEvent):
         camera: CameraActions = state_payload(event.keys)
     elif isinstance(event, ScriptEvent):

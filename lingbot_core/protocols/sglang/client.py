@@ -16,7 +16,6 @@ server broke the protocol) and CLOSED (we closed it). Nothing blocks longer than
 
 from __future__ import annotations
 
-import enum
 import json
 import threading
 import time
@@ -31,38 +30,13 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.sync.client import ClientConnection, connect
 
 from lingbot_core.boundary.events import Event
+from lingbot_core.protocols.connection import Ended, Outcome, RemoteClosed, RemoteUnavailable
 from lingbot_core.protocols.sglang.actions import event_to_message, script_payload, state_payload
 from lingbot_core.protocols.sglang.batching import AssembledChunk, ChunkAssembler
 from lingbot_core.protocols.sglang.protocol import (CLOSE_NORMAL, CLOSE_POLICY, GENERATE_LOOP_ERROR, GENERATE_PATH, MODELS_PATH, ChunkStats,
                        EventMessage, ErrorMessage, FrameBatch, InitRequest, ProtocolError, ServerMessageReader,
                        encode_client_message, event_wire, init_wire, parse_event,
                        parse_init)
-
-
-class Outcome(enum.Enum):
-    COMPLETED = "completed"
-    REFUSED = "refused"
-    FAILED = "failed"
-    DROPPED = "dropped"
-    TIMEOUT = "timeout"
-    PROTOCOL_ERROR = "protocol_error"
-    CLOSED = "closed"
-
-
-@dataclass(frozen=True)
-class Ended:
-    """How a session ended. code: the close code received (1006 when the connection was lost without one,
-    None when no close happened, e.g. a timeout); last_error: the last error message's content, if any."""
-
-    outcome: Outcome
-    code: int | None
-    reason: str
-    last_error: str | None
-    detail: str
-
-    @property
-    def message(self) -> str:
-        return f"remote session {self.outcome.value}: {self.detail}"
 
 
 @dataclass(frozen=True)
@@ -72,18 +46,6 @@ class ReceivedChunk:
     event_id: int | None  # the last event the server applied to this chunk
     frames: np.ndarray  # uint8 [N, H, W, 3]
     stats: ChunkStats | None  # None only when the session ended between a chunk's frames and its stats
-
-
-class RemoteUnavailable(ConnectionError):
-    """The server could not be reached, or did not accept the WebSocket (the url and the cause are named)."""
-
-
-class RemoteClosed(RuntimeError):
-    """Sending on a session that has ended; `ended` says how."""
-
-    def __init__(self, ended: Ended | None):
-        super().__init__(ended.message if ended else "the remote session is closed")
-        self.ended = ended
 
 
 def generate_url(url: str) -> str:

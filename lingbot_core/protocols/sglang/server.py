@@ -52,9 +52,6 @@ import contextlib
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -70,7 +67,8 @@ from lingbot_core.protocols.sglang.protocol import (CLOSE_NORMAL, CLOSE_POLICY, 
                               FrameBatch, InitRequest, ProtocolError, decode_event, decode_init,
                               encode_server_message, error_message)
 from lingbot_core.boundary.requests import StartRequest, parse_start
-from lingbot_core.serving.clients import ClientGate, ClientLimits, LimitReached, origin_allowed
+from lingbot_core.protocols.server_base import ProtocolServer, ServeConfig
+from lingbot_core.serving.clients import ClientGate, LimitReached, origin_allowed
 from lingbot_core.serving.contract import (Admission, AdmissionRefused, Backend, Block, CloseCause, Closed, Failed,
                                            UnknownSession, Waiting)
 
@@ -80,41 +78,21 @@ CAPACITY_EXHAUSTED = "CAPACITY_EXHAUSTED"  # the fork's refusal reason, sent whe
 CLOSE_GOING_AWAY = 1001  # the server shuts down
 CLOSE_INTERNAL = 1011  # a fault of ours
 CLOSE_TRY_AGAIN = 1013  # too many connections now
-# SIGTERM ends the server within this: connections still open then (a client that never sends, a handshake
-# still waiting) are cut rather than waited for.
-SHUTDOWN_GRACE_S = 3.0
 
 
-@dataclass(frozen=True)
-class ServeConfig:
-    poll_s: float = 0.5  # how long one engine wait lasts on its thread before the connection looks again
-    workers: int = 64  # threads for engine calls and frame encoding, shared by every connection
-    max_connections: int = 64  # connections open at once, every client together
-    init_timeout_s: float = 10.0  # a connection without a valid init by then is closed (vLLM-Omni's 10 s to start)
-    events_per_s: float = 50.0  # a connection's event rate (the web UI resends its state ten times a second)
-    event_burst: int = 100  # events a connection may send at once above that rate
-    # Origins of browser pages that may connect besides the server's own ("*": any). Clients that send no
-    # Origin (scripts, other servers) are not browsers and are let in.
-    allowed_origins: tuple[str, ...] = ()
-
-
-class RealtimeServer:
+class RealtimeServer(ProtocolServer):
     """The protocol over one engine; `routes()` are Starlette routes for any Starlette or FastAPI app."""
 
     def __init__(self, engine: Backend, config: ServeConfig = ServeConfig(), model_id: str | None = None,
                  gate: ClientGate | None = None) -> None:
         """gate: what each client may hold, shared with the page's streams when the app serves both (None: a gate
         of this server's own, with the page's default limits)."""
-        self.engine = engine
-        self.config = config
-        self.gate = gate or ClientGate(ClientLimits())
-        self.open_connections = 0  # on the event loop only
+        super().__init__(engine, config, gate, "lingbot-serve")
         model = engine.model_config
         # The id is the loaded model's config name (e.g. "tiny", the embedded model's name, or a checkpoint
         # folder's name): stable for one model, and what the page's header shows.
         self.model_id = model_id or model.name
         self.created = int(time.time())
-        self._executor = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="lingbot-serve")
 
     def routes(self) -> list[BaseRoute]:
         return [Route(MODELS_PATH, self.models, methods=["GET"]), WebSocketRoute(GENERATE_PATH, self.generate)]
@@ -146,25 +124,12 @@ class RealtimeServer:
         finally:
             self.open_connections -= 1
 
-    async def call(self, fn: Callable[..., Any], *args) -> Any:
-        """A blocking call (engine locks, model-thread jobs, encoding) on the pool, off the event loop."""
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        except RuntimeError as exc:
-            if "shutdown" not in str(exc):
-                raise
-            return fn(*args)  # the pool is closed (the server is going down): a last cleanup runs here
-
     def close_later(self, session_id: str, reason: str) -> None:
         """Close a session or a place in line without waiting (it may wait for the model thread)."""
         try:
             self._executor.submit(self.engine.close, session_id, reason)
         except RuntimeError:  # the pool is closed: close it here
             self.engine.close(session_id, reason)
-
-    def close(self) -> None:
-        """Stop taking work on the pool; connections still open end when the engine or the socket does."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class _Ended(Exception):
