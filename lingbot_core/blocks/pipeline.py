@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Iterator
 
-import numpy as np
+from PIL import Image
 import torch
 
 from lingbot_core.process.compile_cache import graphs_cached, graphs_key, keep_compiled_kernels, mark_graphs_cached
@@ -122,7 +122,9 @@ class Pipeline:
         blocks = warm_blocks(t.num_frames_per_block, lambda frame: len(context_frames(frame, t)))
         pool = self.new_pool()
         pages = PageAllocator(pool.num_pages)
-        state = self.start(np.zeros((self.config.height, self.config.width, 3), np.uint8), "warm-up", 0)
+        # A typed start of our own: nothing here is user input, so nothing is parsed.
+        blank = Image.new("RGB", (self.config.width, self.config.height))
+        state = self.start_request(StartRequest(blank, "warm-up", 0))
         try:
             for _ in range(blocks):
                 with torch.inference_mode():

@@ -45,3 +45,12 @@ class RemoteClosed(RuntimeError):
     def __init__(self, ended: Ended | None):
         super().__init__(ended.message if ended else "the remote session is closed")
         self.ended = ended
+
+
+def close_quietly(connection) -> None:
+    """Close a client WebSocket whatever state it is in: closing a broken socket may raise anything, and the
+    session is over either way."""
+    try:
+        connection.close()
+    except Exception:  # noqa: BLE001
+        pass

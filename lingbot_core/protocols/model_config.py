@@ -40,3 +40,9 @@ def remote_model_config(model: str | None = None) -> ModelConfig:
                          f"({', '.join(sorted(PRESETS))}) or nothing (the 14B preset)")
     # A Hub id: the servers hold the weights; its config is the published preset's (nothing is downloaded).
     return dataclasses.replace(LINGBOT_WORLD_V2_14B, name=model)
+
+
+def served_model_config(model: str | None, environ) -> ModelConfig:
+    """The config of the model a remote backend plays: `model`, else $LINGBOT_MODEL, else $LINGBOT_TEST_PRESET (tests),
+    else the 14B preset."""
+    return remote_model_config(model or environ.get("LINGBOT_MODEL") or environ.get("LINGBOT_TEST_PRESET") or None)

@@ -97,3 +97,11 @@ class ServerPool:
 
     def counts(self) -> dict[str, int]:
         return {state.value: sum(s.state is state for s in self.servers) for state in ServerState}
+
+
+def server_urls(urls, variable: str, environ) -> list[str]:
+    """The servers named on the command line (repeatable), else the environment variable's (comma separated)."""
+    given = [u.strip() for u in (urls or []) if u and u.strip()]
+    if given:
+        return given
+    return [u.strip() for u in environ.get(variable, "").split(",") if u.strip()]

@@ -5,12 +5,20 @@ one port), and the thread pool on which their blocking engine calls run."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
-from lingbot_core.serving.clients import ClientGate, ClientLimits
+from starlette.websockets import WebSocket
+
+from lingbot_core.serving.clients import ClientGate, ClientLimits, origin_allowed
 from lingbot_core.serving.contract import Backend
+
+log = logging.getLogger(__name__)
+CLOSE_POLICY = 1008
 
 # SIGTERM ends the server within this: connections still open then (a client that never sends, a handshake
 # still waiting) are cut rather than waited for.
@@ -30,6 +38,43 @@ class ServeConfig:
     allowed_origins: tuple[str, ...] = ()
 
 
+class MessageRate:
+    """A connection's message budget: `per_s` a second, bursts of `burst` (a token bucket). `take(now)` says whether
+    this message may go on, and whether to tell the client that messages are being dropped (once a second)."""
+
+    def __init__(self, per_s: float, burst: int) -> None:
+        self.per_s, self.burst = per_s, float(burst)
+        self._tokens, self._refilled, self._told = float(burst), None, float("-inf")
+
+    def take(self, now: float) -> tuple[bool, bool]:
+        if self._refilled is not None:
+            self._tokens = min(self.burst, self._tokens + (now - self._refilled) * self.per_s)
+        self._refilled = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True, False
+        tell = now - self._told >= 1.0
+        if tell:
+            self._told = now
+        return False, tell
+
+
+async def within_rate(receive: Callable[[], Awaitable[Any]], config: ServeConfig,
+                      tell_dropped: Callable[[], Awaitable[None]]) -> AsyncIterator[Any]:
+    """A connection's messages until the client leaves (`receive` gives None), those past its rate dropped, with
+    `tell_dropped` awaited once a second while they are."""
+    rate = MessageRate(config.events_per_s, config.event_burst)
+    while True:
+        message = await receive()
+        if message is None:
+            return
+        allowed, tell = rate.take(time.monotonic())
+        if allowed:
+            yield message
+        elif tell:
+            await tell_dropped()
+
+
 class ProtocolServer:
     """A protocol over one engine: the engine, the per-client gate (shared with the page's streams when the app
     serves both), the connection count and a pool for the calls that block (engine locks, model-thread jobs,
@@ -41,6 +86,27 @@ class ProtocolServer:
         self.gate = gate or ClientGate(ClientLimits())
         self.open_connections = 0  # on the event loop only
         self._executor = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix=thread_name)
+
+    async def connect(self, websocket: WebSocket, run: Callable[[], Awaitable[None]],
+                      refuse_full: Callable[[], Awaitable[None]]) -> None:
+        """The connection rules both protocols keep before their own: a browser page of another origin is refused
+        before the handshake (an HTTP 403); past max_connections the client is accepted, told (`refuse_full`) and
+        closed; otherwise `run()` serves it, counted."""
+        if not origin_allowed(websocket.headers.get("origin"), websocket.headers.get("host"),
+                              self.config.allowed_origins):
+            log.info("refused a connection from origin %r", websocket.headers.get("origin"))
+            await websocket.close(code=CLOSE_POLICY)
+            return
+        if self.open_connections >= self.config.max_connections:
+            await websocket.accept()
+            with contextlib.suppress(Exception):
+                await refuse_full()
+            return
+        self.open_connections += 1
+        try:
+            await run()
+        finally:
+            self.open_connections -= 1
 
     async def call(self, fn: Callable[..., Any], *args) -> Any:
         """A blocking call on the pool, off the event loop."""

@@ -21,11 +21,11 @@ from typing import Any
 from lingbot_core.boundary.events import Event, EventError, KeyStateEvent, MotionEvent, PoseEvent, ScriptEvent
 from lingbot_core.boundary.offline import RenderRequest
 from lingbot_core.boundary.requests import StartRequest
-from lingbot_core.protocols.pool import Server
+from lingbot_core.protocols.pool import Server, server_urls
 from lingbot_core.protocols.remote_engine import RemoteConfig, RemoteEngine, png_bytes
 from lingbot_core.protocols.sglang.actions import CameraInput, script_payload, state_payload
 from lingbot_core.protocols.sglang.client import RealtimeClient, ReceivedChunk
-from lingbot_core.protocols.model_config import remote_model_config
+from lingbot_core.protocols.model_config import served_model_config
 from lingbot_core.protocols.sglang.protocol import InitRequest
 from lingbot_core.serving.contract import EngineConfig
 
@@ -94,10 +94,7 @@ class SglangEngine(RemoteEngine):
 def sglang_urls(urls=None, environ=os.environ) -> list[str]:
     """The servers named on the command line (--sglang-url, repeatable), else $LINGBOT_SGLANG_URLS (comma
     separated)."""
-    given = [u.strip() for u in (urls or []) if u and u.strip()]
-    if given:
-        return given
-    return [u.strip() for u in environ.get("LINGBOT_SGLANG_URLS", "").split(",") if u.strip()]
+    return server_urls(urls, "LINGBOT_SGLANG_URLS", environ)
 
 
 def create_remote_engine(urls=None, model: str | None = None, config: EngineConfig = EngineConfig(),
@@ -109,5 +106,4 @@ def create_remote_engine(urls=None, model: str | None = None, config: EngineConf
     if not urls:
         raise ValueError("--backend sglang needs the realtime servers: --sglang-url ws://host:port (repeat it for "
                          "each server) or LINGBOT_SGLANG_URLS=ws://h1:30000,ws://h2:30000")
-    model = model or environ.get("LINGBOT_MODEL") or environ.get("LINGBOT_TEST_PRESET") or None
-    return SglangEngine(urls, remote_model_config(model), config, remote)
+    return SglangEngine(urls, served_model_config(model, environ), config, remote)

@@ -30,7 +30,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.sync.client import ClientConnection, connect
 
 from lingbot_core.boundary.events import Event
-from lingbot_core.protocols.connection import Ended, Outcome, RemoteClosed, RemoteUnavailable
+from lingbot_core.protocols.connection import Ended, Outcome, RemoteClosed, RemoteUnavailable, close_quietly
 from lingbot_core.protocols.sglang.actions import event_to_message, script_payload, state_payload
 from lingbot_core.protocols.sglang.batching import AssembledChunk, ChunkAssembler
 from lingbot_core.protocols.sglang.protocol import (CLOSE_NORMAL, CLOSE_POLICY, GENERATE_LOOP_ERROR, GENERATE_PATH, MODELS_PATH, ChunkStats,
@@ -270,10 +270,7 @@ class RealtimeClient:
 
     def _close_socket(self) -> None:
         self._closing = True
-        try:
-            self._ws.close()
-        except Exception:  # closing a broken socket may raise anything; the session is over either way
-            pass
+        close_quietly(self._ws)
 
     def close(self) -> Ended:
         """Close the session (Stop, tab close, idle TTL); returns how it ended (CLOSED unless it had ended)."""

@@ -67,8 +67,8 @@ from lingbot_core.protocols.sglang.protocol import (CLOSE_NORMAL, CLOSE_POLICY, 
                               FrameBatch, InitRequest, ProtocolError, decode_event, decode_init,
                               encode_server_message, error_message)
 from lingbot_core.boundary.requests import StartRequest, parse_start
-from lingbot_core.protocols.server_base import ProtocolServer, ServeConfig
-from lingbot_core.serving.clients import ClientGate, LimitReached, origin_allowed
+from lingbot_core.protocols.server_base import ProtocolServer, ServeConfig, within_rate
+from lingbot_core.serving.clients import ClientGate, LimitReached
 from lingbot_core.serving.contract import (Admission, AdmissionRefused, Backend, Block, CloseCause, Closed, Failed,
                                            UnknownSession, Waiting)
 
@@ -104,25 +104,14 @@ class RealtimeServer(ProtocolServer):
             "root": self.model_id, "width": model.width, "height": model.height, "fps": model.fps}]})
 
     async def generate(self, websocket: WebSocket) -> None:
-        if not origin_allowed(websocket.headers.get("origin"), websocket.headers.get("host"),
-                              self.config.allowed_origins):
-            log.info("refused a connection from origin %r", websocket.headers.get("origin"))
-            await websocket.close(code=CLOSE_POLICY)  # before the handshake completes: an HTTP 403
-            return
-        if self.open_connections >= self.config.max_connections:
-            await websocket.accept()
-            with contextlib.suppress(Exception):
-                (data,) = encode_server_message(ErrorMessage(
-                    CAPACITY_EXHAUSTED, f"{self.open_connections} connections are open, the most this server "
-                                        "takes; try again in a minute"))
-                await websocket.send_bytes(data)
-                await websocket.close(CLOSE_TRY_AGAIN, "too many connections")
-            return
-        self.open_connections += 1
-        try:
-            await _Connection(self, websocket).run()
-        finally:
-            self.open_connections -= 1
+        async def refuse_full() -> None:
+            (data,) = encode_server_message(ErrorMessage(
+                CAPACITY_EXHAUSTED, f"{self.open_connections} connections are open, the most this server takes; "
+                                    "try again in a minute"))
+            await websocket.send_bytes(data)
+            await websocket.close(CLOSE_TRY_AGAIN, "too many connections")
+
+        await self.connect(websocket, _Connection(self, websocket).run, refuse_full)
 
     def close_later(self, session_id: str, reason: str) -> None:
         """Close a session or a place in line without waiting (it may wait for the model thread)."""
@@ -299,22 +288,12 @@ class _Connection:
         """Events until the client leaves; an invalid one is answered and skipped, and events past the
         connection's rate are dropped, with one error a second saying so."""
         config = self.server.config
-        tokens, refilled, told = float(config.event_burst), time.monotonic(), 0.0
-        while True:
-            data = await self._next_message()
-            if data is None:
-                return
-            now = time.monotonic()
-            tokens = min(float(config.event_burst), tokens + (now - refilled) * config.events_per_s)
-            refilled = now
-            if tokens < 1.0:
-                if now - told >= 1.0:
-                    told = now
-                    await self._send_error(ErrorMessage(INVALID_EVENT, f"too many events: at most "
-                                                                       f"{config.events_per_s:g} a second; the "
-                                                                       "events past it are dropped"))
-                continue
-            tokens -= 1.0
+
+        async def tell_dropped() -> None:
+            await self._send_error(ErrorMessage(INVALID_EVENT, f"too many events: at most {config.events_per_s:g} a "
+                                                               "second; the events past it are dropped"))
+
+        async for data in within_rate(self._next_message, config, tell_dropped):
             try:
                 self.inbound.add(decode_event(data))
             except ProtocolError as exc:

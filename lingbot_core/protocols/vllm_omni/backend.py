@@ -34,8 +34,8 @@ from lingbot_core.boundary.events import Event, EventError, KeyStateEvent, Motio
 from lingbot_core.boundary.offline import RenderRequest
 from lingbot_core.boundary.requests import StartRequest
 from lingbot_core.model.camera_motion import CameraMotion, advance
-from lingbot_core.protocols.model_config import remote_model_config
-from lingbot_core.protocols.pool import Server
+from lingbot_core.protocols.model_config import served_model_config
+from lingbot_core.protocols.pool import Server, server_urls
 from lingbot_core.protocols.remote_engine import RemoteConfig, RemoteEngine, png_bytes
 from lingbot_core.protocols.vllm_omni import messages as wire
 from lingbot_core.protocols.vllm_omni.client import VideoChunk, VideoStreamClient, interaction_for
@@ -152,10 +152,7 @@ class VllmOmniEngine(RemoteEngine):
 def vllm_omni_urls(urls=None, environ=os.environ) -> list[str]:
     """The servers named on the command line (--vllm-omni-url, repeatable), else $LINGBOT_VLLM_OMNI_URLS (comma
     separated)."""
-    given = [u.strip() for u in (urls or []) if u and u.strip()]
-    if given:
-        return given
-    return [u.strip() for u in environ.get("LINGBOT_VLLM_OMNI_URLS", "").split(",") if u.strip()]
+    return server_urls(urls, "LINGBOT_VLLM_OMNI_URLS", environ)
 
 
 def create_vllm_omni_engine(urls=None, model: str | None = None, config: EngineConfig = EngineConfig(),
@@ -168,5 +165,4 @@ def create_vllm_omni_engine(urls=None, model: str | None = None, config: EngineC
     if not urls:
         raise ValueError("--backend vllm-omni needs the realtime servers: --vllm-omni-url ws://host:port (repeat it "
                          "for more), or LINGBOT_VLLM_OMNI_URLS=ws://h1:8000,ws://h2:8000")
-    model = model or environ.get("LINGBOT_MODEL") or environ.get("LINGBOT_TEST_PRESET") or None
-    return VllmOmniEngine(urls, remote_model_config(model), config, remote, max_world_blocks=max_world_blocks)
+    return VllmOmniEngine(urls, served_model_config(model, environ), config, remote, max_world_blocks=max_world_blocks)

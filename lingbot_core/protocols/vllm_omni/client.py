@@ -32,7 +32,7 @@ from websockets.sync.client import ClientConnection, connect
 
 from lingbot_core.boundary.events import Event, KeyStateEvent, MotionEvent, PromptEvent
 from lingbot_core.boundary.fmp4 import Fmp4Error, Fmp4Reader
-from lingbot_core.protocols.connection import Ended, Outcome, RemoteClosed, RemoteUnavailable
+from lingbot_core.protocols.connection import Ended, Outcome, RemoteClosed, RemoteUnavailable, close_quietly
 from lingbot_core.protocols.vllm_omni import messages as wire
 from lingbot_core.protocols.vllm_omni.keys import velocity_payload
 
@@ -253,10 +253,7 @@ class VideoStreamClient:
     # -- closing
 
     def _close_socket(self) -> None:
-        try:
-            self._ws.close()
-        except Exception:  # closing a broken socket may raise anything; the session is over either way
-            pass
+        close_quietly(self._ws)
 
     def close(self) -> Ended:
         """Close the session (Stop, tab close, idle TTL); how it ended (CLOSED unless it had ended)."""

@@ -51,16 +51,15 @@ from lingbot_core.boundary.events import EventError, MotionEvent, PromptEvent, S
 from lingbot_core.boundary.fmp4 import Fmp4Writer
 from lingbot_core.boundary.image import MAX_IMAGE_BYTES
 from lingbot_core.boundary.requests import StartRequest, parse_start
-from lingbot_core.protocols.server_base import ProtocolServer, ServeConfig
+from lingbot_core.protocols.server_base import ProtocolServer, ServeConfig, within_rate
 from lingbot_core.protocols.vllm_omni import messages as wire
-from lingbot_core.serving.clients import ClientGate, LimitReached, origin_allowed
+from lingbot_core.serving.clients import ClientGate, LimitReached
 from lingbot_core.serving.contract import (Admission, AdmissionRefused, Backend, Block, CloseCause, Closed, Failed,
                                            UnknownSession, Waiting)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SEED = 42  # upstream's default is not found; its examples and validation use 42
-CLOSE_POLICY = 1008
 CODEC_OPTION_KEYS = {"preset", "crf", "tune", "g", "profile"}  # what a client may set of the encoder
 FAST_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium")
 
@@ -129,23 +128,13 @@ class VideoStreamServer(ProtocolServer):
         return [WebSocketRoute(wire.PATH, self.video)]
 
     async def video(self, websocket: WebSocket) -> None:
-        if not origin_allowed(websocket.headers.get("origin"), websocket.headers.get("host"),
-                              self.config.allowed_origins):
-            await websocket.close(code=CLOSE_POLICY)  # before the handshake: an HTTP 403
-            return
-        await websocket.accept()
-        if self.open_connections >= self.config.max_connections:
-            with contextlib.suppress(Exception):
-                await websocket.send_text(json.dumps(wire.error(
-                    f"{self.open_connections} connections are open, the most this server takes; try again later",
-                    code=wire.SERVER_BUSY)))
-                await websocket.close()
-            return
-        self.open_connections += 1
-        try:
-            await _Connection(self, websocket).run()
-        finally:
-            self.open_connections -= 1
+        async def refuse_full() -> None:
+            await websocket.send_text(json.dumps(wire.error(
+                f"{self.open_connections} connections are open, the most this server takes; try again later",
+                code=wire.SERVER_BUSY)))
+            await websocket.close()
+
+        await self.connect(websocket, _Connection(self, websocket).run, refuse_full)
 
 
 class _Connection:
@@ -172,6 +161,7 @@ class _Connection:
     # -- the connection's life
 
     async def run(self) -> None:
+        await self.ws.accept()
         claim = None
         tasks: list[asyncio.Task] = []
         try:
@@ -295,21 +285,12 @@ class _Connection:
 
     async def _receive(self) -> None:
         config = self.server.config
-        tokens, refilled, told = float(config.event_burst), time.monotonic(), 0.0
-        while True:
-            text = await self._next_text()
-            if text is None:
-                return
-            now = time.monotonic()
-            tokens = min(float(config.event_burst), tokens + (now - refilled) * config.events_per_s)
-            refilled = now
-            if tokens < 1.0:
-                if now - told >= 1.0:
-                    told = now
-                    await self._send(wire.error(f"too many messages: at most {config.events_per_s:g} a second; "
-                                                "the messages past it are dropped", request_id=self.request_id))
-                continue
-            tokens -= 1.0
+
+        async def tell_dropped() -> None:
+            await self._send(wire.error(f"too many messages: at most {config.events_per_s:g} a second; the messages "
+                                        "past it are dropped", request_id=self.request_id))
+
+        async for text in within_rate(self._next_text, config, tell_dropped):
             try:
                 message = wire.parse_control(text) if text else _binary()
             except wire.ProtocolError as exc:
