@@ -114,3 +114,16 @@ def test_three_viewers_on_two_servers_with_keys_a_prompt_a_reset_and_a_killed_se
         engine.close(three)
     finally:
         engine.shutdown()
+
+
+def test_the_page_over_vllm_omni_servers_in_other_processes(spawn, tmp_path):
+    from test_vllm_omni_backend import drive_the_page
+    from lingbot_core.protocols.vllm_omni.backend import create_vllm_omni_engine
+
+    servers = [spawn("--max-sessions", "1", "--max-waiting", "0") for _ in range(2)]
+    engine = create_vllm_omni_engine([s.url for s in servers], environ={"LINGBOT_TEST_PRESET": "tiny"},
+                                     remote=RemoteConfig(receive_timeout_s=30, open_timeout_s=10))
+    try:
+        drive_the_page(engine, tmp_path)
+    finally:
+        engine.shutdown()
