@@ -338,6 +338,9 @@ def build_demo(engine: Backend, *, stream_config: StreamConfig = StreamConfig(),
     world_model = is_world_model(config)
     renderer = GroundTruthRenderer() if world_model else None
     pictures = StartPictures(config, renderer.render) if renderer is not None else None
+    if pictures is not None:
+        for path, _ in world_examples():
+            pictures.know(path)
     draw = random.Random()  # New world's seeds (fresh per app; the global RNG stays the caller's)
     # Streams showing ground truth, by session id: (their viewer, their view), so Reset can switch worlds.
     truth_views: dict[str, tuple[str | None, GroundTruthView]] = {}

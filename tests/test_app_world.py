@@ -62,6 +62,15 @@ def test_examples_are_the_held_out_worlds_their_names_say():
         assert pictures.recognise(path) == seed
     assert [row[0] for row in lingbot_app.world_examples()] == [
         str(ROOT / "examples" / example_name(seed)) for seed in EXAMPLE_SEEDS]
+    # The app knows them (StartPictures.know) so that Start with Ground truth recognises one without a render:
+    # what it knows is what a render gives, and knowing costs no render.
+    renders = []
+    known = StartPictures(EMBEDDED, lambda *args: renders.append(args))
+    for seed in EXAMPLE_SEEDS:
+        known.know(ROOT / "examples" / example_name(seed))
+        assert known.recognise(ROOT / "examples" / example_name(seed)) == seed
+        assert np.array_equal(known.picture(seed), pictures.picture(seed))
+    assert renders == []
 
 
 def test_a_picture_is_a_world_only_when_its_pixels_are(tmp_path):

@@ -67,10 +67,28 @@ class StartPictures:
         self._render = render_frames or (lambda seed, poses, k, w, h: to_uint8(render(make_world(seed), poses, k, w, h,
                                                                                         SUPERSAMPLE)))
         self._pictures: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._known: dict[int, np.ndarray] = {}  # never forgotten (the repository's examples)
         self._lock = threading.Lock()
+
+    def know(self, path: str | Path) -> None:
+        """A committed picture file is its named world's start picture (the repository's examples; a test checks
+        each against a render): recognised from now on without rendering it, so Start with Ground truth does not
+        wait for the render process. A file that is not a world picture at this size is ignored."""
+        seed = seed_from_name(path)
+        if seed is None:
+            return
+        try:
+            with Image.open(path) as image:
+                if image.size == (self.config.width, self.config.height):
+                    with self._lock:
+                        self._known[seed] = np.asarray(image.convert("RGB"))
+        except (OSError, ValueError):
+            return
 
     def picture(self, seed: int) -> np.ndarray:
         with self._lock:
+            if seed in self._known:
+                return self._known[seed]
             if seed in self._pictures:
                 self._pictures.move_to_end(seed)
                 return self._pictures[seed]
