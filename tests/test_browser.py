@@ -231,3 +231,34 @@ def test_a_socket_ticket_is_the_viewers_alone(server):
         reply = json.loads(ws.recv(timeout=30))
     assert reply["type"] == "error" and "unknown or ended player ticket" in reply["text"]
 
+
+
+def test_one_more_world_than_the_address_may_hold_is_refused_in_the_browser(browser, tmp_path):
+    """Two browser sessions from one address where the address may hold one world: the second Start is told why
+    and makes no world; once the first tab closes, the second gets its world."""
+    one_world = StreamConfig(max_streams_per_address=1)
+    with running_app(EngineConfig(max_sessions=2), one_world, tmp_path) as (url, engine, _):
+        viewport = {"width": 1280, "height": 900}
+        first_context, second_context = browser.new_context(viewport=viewport), browser.new_context(viewport=viewport)
+        try:  # two contexts: two Gradio sessions from one address
+            first = first_context.new_page()
+            session_id = start_socket_world(first, url)
+            second = second_context.new_page()
+            second.goto(url)
+            second.wait_for_selector("#lingbot-canvas-box", state="attached")
+            second.locator("input[type=file]").first.set_input_files(str(FOREST))
+            second.wait_for_selector("img[src*='forest']", timeout=WAIT_MS)
+            second.get_by_role("button", name="Start", exact=True).click()
+            second.get_by_text("the most one address may hold").first.wait_for(timeout=WAIT_MS)
+            assert engine.session_ids() == [session_id]
+            first.close()
+            deadline = time.monotonic() + WAIT_MS / 1000
+            while engine.session_ids():
+                assert time.monotonic() < deadline, "the first world outlived its tab"
+                time.sleep(0.1)
+            second.get_by_role("button", name="Start", exact=True).click()
+            second.wait_for_function(f"({PRESENTED})() > 12", timeout=WAIT_MS)
+            assert len(engine.session_ids()) == 1 and engine.session_ids() != [session_id]
+        finally:
+            first_context.close()
+            second_context.close()
