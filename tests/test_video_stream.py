@@ -288,6 +288,7 @@ def test_what_fails_after_video_start_is_an_error_and_the_end(fresh):
         ({"width": model.width * 2, "height": model.height}, "width and height"),
         ({"num_frames": model.pixel_frames_for_blocks(1) + 1}, "num_frames must be"),
         ({"extra_params": {"action_path": "examples/00"}}, "action_path"),
+        ({"extra_params": {"camera_action_script": [[["w"], [], []]] * 65}}, "at most 64"),
     ]
     for fields, text in cases:
         client = Client(fresh.url)

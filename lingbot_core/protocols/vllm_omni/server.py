@@ -253,10 +253,14 @@ class _Connection:
         request = self.server.gate.decode(parse_start, picture, start.prompt, seed, model)
         first = []
         if start.camera_action_script is not None:
+            limit = self.engine.config.max_queued_events  # the engine's queue holds the whole script at once
+            if len(start.camera_action_script) > limit:
+                raise ValueError(f"camera_action_script holds {len(start.camera_action_script)} chunks; this server "
+                                 f"takes at most {limit} in one session")
             self.scripted = True
             for chunk in start.camera_action_script:
                 first.append(ScriptEvent(self._engine_id(), tuple(chunk)))
-        return request, tuple(first[:self.engine.config.max_queued_events])
+        return request, tuple(first)
 
     def _blocks_for(self, num_frames: int) -> int | None:
         for blocks in range(1, 1 + num_frames):
