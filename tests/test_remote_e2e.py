@@ -29,13 +29,14 @@ from PIL import Image
 from app_driver import FOREST, VILLAGE, free_port, stream_outputs
 from gradio_client import Client, handle_file
 from outbox import take
-from lingbot_core.boundary.events import KeyStateEvent
+from lingbot_core.boundary.events import KeyStateEvent, read_events
+from lingbot_core.boundary.offline import controls_from_events
+from lingbot_core.serving.replay import Replay
 from lingbot_core.protocols.sglang.backend import RemoteConfig, SglangEngine, create_remote_engine, png_bytes
 from lingbot_core.protocols.sglang.client import RealtimeClient, list_models
 from lingbot_core.protocols.model_config import remote_model_config
 from lingbot_core.protocols.sglang.protocol import InitRequest
 from lingbot_core.boundary.requests import parse_start
-from lingbot_core.boundary.requests import BlockControl
 from lingbot_core.serving.contract import Admission, Block, EngineConfig, Failed, NewWorld, Waiting
 from lingbot_core.serving.factory import create_engine
 from lingbot_core.serving.streaming import StreamConfig
@@ -113,17 +114,23 @@ def remote_engine(*servers: ServerProcess, **config) -> SglangEngine:
                         RemoteConfig(receive_timeout_s=30, open_timeout_s=10, backoff_s=0.5))
 
 
-def regenerate(pipeline, request, entries: list[dict]) -> np.ndarray:
-    """The world a replay describes, made offline on one thread (the servers' thread count): uint8 frames."""
-    controls = [BlockControl(actions=tuple(frozenset(f) for f in entry["frames"]), prompt=entry.get("prompt"))
-                for entry in entries]
+def regenerate_blocks(pipeline, request, entries: list[dict]) -> list[np.ndarray]:
+    """The world a replay's entries describe (key sets or poses, prompts), made offline on one thread (the servers'
+    thread count) through the offline command's reading of a replay: each block's uint8 frames."""
+    config = pipeline.config
+    replay = Replay(config.name, "", request.seed, request.prompt, entries)
+    controls = controls_from_events(read_events(replay.to_events_jsonl(), config.transformer.num_frames_per_block),
+                                    config)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        outputs = list(pipeline.rollout_request(request, controls))
+        return [frames_to_uint8(o.frames) for o in pipeline.rollout_request(request, controls)]
     finally:
         torch.set_num_threads(threads)
-    return np.concatenate([frames_to_uint8(o.frames) for o in outputs])
+
+
+def regenerate(pipeline, request, entries: list[dict]) -> np.ndarray:
+    return np.concatenate(regenerate_blocks(pipeline, request, entries))
 
 
 def received(blocks: list[Block]) -> np.ndarray:

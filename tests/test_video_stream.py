@@ -10,10 +10,8 @@ for latent; the reference's malformed messages get its error strings and end the
 from __future__ import annotations
 
 import base64
-import dataclasses
 import io
 import json
-import socket
 import threading
 import time
 
@@ -32,6 +30,7 @@ from lingbot_core.serving.contract import Block, EngineConfig
 from lingbot_core.serving.factory import create_engine
 from lingbot_core.serving.replay import Replay
 from lingbot_core.protocols.vllm_omni.server import VideoStreamServer
+from test_serve import Served, free_port, png, wait_until  # noqa: E402 (the SGLang server tests' helpers)
 
 PATH = "/v1/realtime/video"
 WAIT_S = 120  # a bound so a bug fails instead of hanging; never asserted as a timing
@@ -40,36 +39,9 @@ START_TIMEOUT_S, STALL_TIMEOUT_S = 1.5, 3.0
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(predicate, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.05)
-
-
 def data_url(seed: int = 0) -> str:
-    rng = np.random.default_rng(seed)
-    buffer = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (40, 70, 3), dtype=np.uint8)).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
-@dataclasses.dataclass
-class Served:
-    url: str
-    engine: object
-    blocks: dict = dataclasses.field(default_factory=dict)  # session id -> Blocks handed to the server
-
-    def drained(self) -> bool:
-        return not self.engine.session_ids() and self.engine.stats()["waiting"] == 0 \
-            and self.engine.pages.num_in_use == 0
+    """test_serve's start picture (random pixels, 40x70, as PNG) as a data URL."""
+    return "data:image/png;base64," + base64.b64encode(png(seed)).decode()
 
 
 @pytest.fixture(scope="module")

@@ -12,39 +12,26 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
-from test_remote_e2e import spawn, oracle  # noqa: F401 (fixtures)
-from lingbot_core.boundary.events import KeyStateEvent, PromptEvent, read_events
+from test_remote_e2e import oracle, regenerate_blocks, spawn  # noqa: F401 (fixtures)
+from lingbot_core.boundary.events import KeyStateEvent, PromptEvent
 from lingbot_core.boundary.fmp4 import Fmp4Reader, Fmp4Writer
-from lingbot_core.boundary.offline import controls_from_events
 from lingbot_core.boundary.requests import parse_start
-from lingbot_core.boundary.video import frames_to_uint8
 from lingbot_core.protocols.model_config import remote_model_config
 from lingbot_core.protocols.remote_engine import RemoteConfig
 from lingbot_core.protocols.vllm_omni.backend import VllmOmniEngine
 from lingbot_core.serving.contract import Admission, Block, EngineConfig, Failed, NewWorld, Waiting
-from lingbot_core.serving.replay import Replay
 
 pytestmark = pytest.mark.slow  # servers in other processes: .ci/run runs these, the fast suite does not
 WAIT_S = 60.0
 
 
 def through_the_wire(pipeline, request, entries: list[dict]) -> list[np.ndarray]:
-    """The world a replay describes, made offline on one thread, each block through a new stream's fMP4 writer
-    and reader as the server and the backend pass it."""
+    """The world a replay describes, made offline, each block through a new stream's fMP4 writer and reader as the
+    server and the backend pass it."""
     config = pipeline.config
-    replay = Replay(config.name, "", request.seed, request.prompt, entries)
-    controls = controls_from_events(read_events(replay.to_events_jsonl(), config.transformer.num_frames_per_block),
-                                    config)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        outputs = list(pipeline.rollout_request(request, controls))
-    finally:
-        torch.set_num_threads(threads)
     writer, reader = Fmp4Writer(config.width, config.height, config.fps), Fmp4Reader()
-    return [np.stack(reader.feed(writer.add(frames_to_uint8(o.frames)))) for o in outputs]
+    return [np.stack(reader.feed(writer.add(frames))) for frames in regenerate_blocks(pipeline, request, entries)]
 
 
 def take(engine, session_id: str):

@@ -10,6 +10,9 @@ users (the engine) run it on their request threads, never on the model thread.
 
 from __future__ import annotations
 
+import base64
+import binascii
+
 import hashlib
 import io
 import warnings
@@ -55,6 +58,23 @@ def check_header(width: int, height: int, mode: str, format_name: str | None = N
     if width * height * bands * bytes_per_band > MAX_DECODED_BYTES:
         raise ImageError(f"image is {width}x{height} in mode {mode}, {width * height * bands * bytes_per_band / 2**20:.0f}"
                          f" MiB decoded; at most {MAX_DECODED_BYTES // 2**20} MiB is accepted")
+
+
+def data_url_bytes(url: str, what: str) -> bytes:
+    """The bytes of a picture sent as a base64 `data:image/...` URL (a protocol's start message); ImageError says
+    what is wrong. An http(s) URL is refused: a server that fetched what strangers name would fetch for them."""
+    if not url.startswith("data:"):
+        raise ImageError(f"{what} is an http(s) URL; this server fetches no URLs: send the image bytes or a "
+                         "data:image/...;base64 URL")
+    header, _, body = url.partition(",")
+    if not header.endswith(";base64"):
+        raise ImageError(f"a {what} data URL must be base64 (data:image/...;base64,...)")
+    if len(body) > 4 * MAX_IMAGE_BYTES // 3 + 4:
+        raise ImageError(f"{what} holds more than {MAX_IMAGE_BYTES // 2**20} MiB")
+    try:
+        return base64.b64decode(body, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageError(f"{what}'s data URL is not valid base64") from None
 
 
 def load_image(source: str | Path | bytes | Image.Image | np.ndarray) -> Image.Image:

@@ -46,8 +46,6 @@ raw_bytes: the frame payload bytes; ws_payload_bytes: the WebSocket message byte
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import logging
 import time
@@ -59,7 +57,7 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from lingbot_core.boundary.events import EventError
-from lingbot_core.boundary.image import MAX_IMAGE_BYTES
+from lingbot_core.boundary.image import ImageError, data_url_bytes
 from lingbot_core.protocols.sglang.batching import build_frame_batches
 from lingbot_core.protocols.sglang.inbound import InboundEvents
 from lingbot_core.protocols.sglang.protocol import (CLOSE_NORMAL, CLOSE_POLICY, GENERATE_LOOP_ERROR, GENERATE_PATH, GENERATION_COMPLETE,
@@ -231,19 +229,10 @@ class _Connection:
         if picture is None:
             raise ProtocolError(INVALID_REQUEST, "init needs a first_frame: image bytes or a data:image/ URL")
         if isinstance(picture, str):
-            if not picture.startswith("data:"):
-                raise ProtocolError(INVALID_REQUEST, "first_frame is an http(s) URL; this server fetches no URLs: "
-                                                     "send the image bytes or a data:image/...;base64 URL")
-            header, _, body = picture.partition(",")
-            if not header.endswith(";base64"):
-                raise ProtocolError(INVALID_REQUEST, "a first_frame data URL must be base64 "
-                                                     "(data:image/...;base64,...)")
-            if len(body) > 4 * MAX_IMAGE_BYTES // 3 + 4:
-                raise ProtocolError(INVALID_REQUEST, f"first_frame holds more than {MAX_IMAGE_BYTES // 2**20} MiB")
             try:
-                picture = base64.b64decode(body, validate=True)
-            except (binascii.Error, ValueError):
-                raise ProtocolError(INVALID_REQUEST, "first_frame's data URL is not valid base64") from None
+                picture = data_url_bytes(picture, "first_frame")
+            except ImageError as exc:
+                raise ProtocolError(INVALID_REQUEST, str(exc)) from None
         try:  # in the decode slots the page's starts use: a burst of large pictures queues, never piles up
             request = self.server.gate.decode(parse_start, picture, init.prompt, init.seed, self.model)
         except ValueError as exc:  # ImageError, PromptError, RequestError: their messages name the problem

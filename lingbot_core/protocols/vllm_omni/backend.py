@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,13 +58,12 @@ class VllmOmniEngine(RemoteEngine):
     protocol = "vLLM-Omni"
 
     def __init__(self, urls, model_config, config: EngineConfig = EngineConfig(), remote: RemoteConfig = RemoteConfig(),
-                 clock=None, start_keeper: bool = True, max_world_blocks: int | None = None,
+                 clock=time.monotonic, start_keeper: bool = True, max_world_blocks: int | None = None,
                  buffer_s: float | None = None) -> None:
         """max_world_blocks: a world's length to ask for (None: open-ended, as our server allows; an upstream
         server needs a number). buffer_s: how far a live world may run ahead of what its viewer took (None: the
         lead the engine config allows, max_lead_blocks + 1 blocks)."""
-        kwargs = {} if clock is None else {"clock": clock}
-        super().__init__(urls, model_config, config, remote, start_keeper=start_keeper, **kwargs)
+        super().__init__(urls, model_config, config, remote, clock, start_keeper)
         self.max_world_blocks = max_world_blocks
         block_s = model_config.pixel_frames_per_block / model_config.fps
         self.buffer_s = buffer_s if buffer_s is not None else (config.max_lead_blocks + 1) * block_s

@@ -36,8 +36,6 @@ world back. Limits shared with SGLang's route and the page: protocols/server_bas
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import json
 import logging
@@ -49,7 +47,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from lingbot_core.boundary.events import EventError, MotionEvent, PromptEvent, ScriptEvent
 from lingbot_core.boundary.fmp4 import Fmp4Writer
-from lingbot_core.boundary.image import MAX_IMAGE_BYTES
+from lingbot_core.boundary.image import data_url_bytes
 from lingbot_core.boundary.requests import StartRequest, parse_start
 from lingbot_core.protocols.server_base import ProtocolServer, ServeConfig, within_rate
 from lingbot_core.protocols.vllm_omni import messages as wire
@@ -150,6 +148,7 @@ class _Connection:
         self.next_engine_id = 0
         self.used_ids: set[str] = set()  # client event ids accepted in this session
         self.chunks = _Chunks(self.model.transformer.num_frames_per_block)
+        self.codec_options: dict[str, str] | None = None  # checked with the start (_prepare)
         self.scripted = False  # a camera_action_script drives the camera: live camera commands are refused
         self.blocks_sent = 0
         self.payloads = 0
@@ -247,8 +246,8 @@ class _Connection:
         if start.action_path is not None:
             raise ValueError("action_path is not supported by this server (no trusted action root): send "
                              "extra_params.camera_action_script or camera interactions")
-        _codec_options(start.codec_options)
-        picture = _data_url_bytes(start.image_url)
+        self.codec_options = _codec_options(start.codec_options)
+        picture = data_url_bytes(start.image_url, "image_reference.image_url")
         seed = start.seed if start.seed is not None else DEFAULT_SEED
         request = self.server.gate.decode(parse_start, picture, start.prompt, seed, model)
         first = []
@@ -263,13 +262,10 @@ class _Connection:
         return request, tuple(first)
 
     def _blocks_for(self, num_frames: int) -> int | None:
-        for blocks in range(1, 1 + num_frames):
-            frames = self.model.pixel_frames_for_blocks(blocks)
-            if frames == num_frames:
-                return blocks
-            if frames > num_frames:
-                return None
-        return None
+        """How many whole blocks make `num_frames` (12N - 3 on the shipped models), or None if none do."""
+        model = self.model
+        blocks, extra = divmod(num_frames + model.vae_temporal_factor - 1, model.pixel_frames_per_block)
+        return blocks if blocks >= 1 and extra == 0 else None
 
     def _engine_id(self) -> int:
         self.next_engine_id += 1
@@ -381,7 +377,7 @@ class _Connection:
         start = self.start
         total = None if start.num_frames is None else self._blocks_for(start.num_frames)
         writer = await self.server.call(Fmp4Writer, self.model.width, self.model.height, start.fps,
-                                        _codec_options(start.codec_options))
+                                        self.codec_options)
         buffer_s = start.streaming_buffer_seconds
         while True:
             if buffer_s is not None and self.media_s - self.playhead_s >= buffer_s:
@@ -424,22 +420,6 @@ class _Connection:
 
 def _binary():
     raise wire.ProtocolError(wire.NOT_OBJECT, fatal=False)
-
-
-def _data_url_bytes(url: str) -> bytes:
-    """The picture of a data: URL; http(s) URLs are refused (this server fetches nothing)."""
-    if not url.startswith("data:"):
-        raise ValueError("image_reference.image_url is an http(s) URL; this server fetches no URLs: send a "
-                         "data:image/...;base64 URL")
-    header, _, body = url.partition(",")
-    if not header.endswith(";base64"):
-        raise ValueError("an image_reference data URL must be base64 (data:image/...;base64,...)")
-    if len(body) > 4 * MAX_IMAGE_BYTES // 3 + 4:
-        raise ValueError(f"the image holds more than {MAX_IMAGE_BYTES // 2**20} MiB")
-    try:
-        return base64.b64decode(body, validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError("image_reference's data URL is not valid base64") from None
 
 
 def _codec_options(options: dict[str, str] | None) -> dict[str, str] | None:
