@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import spaces  # noqa: F401  (first: on ZeroGPU it must be imported before anything initialises CUDA)
 
+import _thread
 import argparse
 import asyncio
 import atexit
@@ -42,6 +43,7 @@ import random
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import urllib.parse
 import uuid
@@ -61,6 +63,7 @@ from lingbot_core.protocols.vllm_omni.messages import PATH as VIDEO_PATH
 from lingbot_core.process.startup import StartupLog
 from lingbot_core.serving.contract import Backend, EngineConfig, RenderFailedError, RenderRefused
 from lingbot_core.serving.launch import add_engine_arguments, start_local_engine, startup_line
+from lingbot_core.serving.starting import StartingEngine
 from lingbot_core.boundary.requests import parse_start
 from lingbot_core.protocols.sglang.protocol import GENERATE_PATH
 from lingbot_core.protocols.server_base import ServeConfig
@@ -521,7 +524,7 @@ def build_demo(engine: Backend, *, stream_config: StreamConfig = StreamConfig(),
     examples = examples or [[str(EXAMPLES / name), text] for name, text in PHOTO_EXAMPLES]
     warm_examples(engine, examples)
     with gr.Blocks(title="LingBot-World v2", delete_cache=delete_cache) as demo:
-        gr.Markdown(_header(config, engine))
+        header = gr.Markdown(_header(config, engine))
         with gr.Tab("Play"):
             with gr.Row():
                 with gr.Column(scale=2):
@@ -620,6 +623,9 @@ def build_demo(engine: Backend, *, stream_config: StreamConfig = StreamConfig(),
                           api_visibility="private", show_progress="hidden")
         session_box.change(issue_ticket, [session_box], [ticket_box], api_visibility="private", show_progress="hidden",
                            queue=False)
+        if isinstance(engine, StartingEngine):  # the header the page was served with said "loading"
+            demo.load(lambda: _header(config, engine), None, [header], api_visibility="private",
+                      show_progress="hidden")
         ticket_box.change(None, [ticket_box], None, js="(t) => { if (window.lingbotPlayer) window.lingbotPlayer.connect(t); }",
                           api_visibility="private", show_progress="hidden", queue=False)
         clock_button.click(playhead_from_page, [session_box, playhead_box], [playhead_box], js=READ_PLAYHEAD_JS,
@@ -645,10 +651,12 @@ def build_demo(engine: Backend, *, stream_config: StreamConfig = StreamConfig(),
 
 
 def _header(config, engine: Backend) -> str:
+    """The page's header; while the model loads behind the page (StartingEngine), it says so."""
+    where = ("The model is loading; Start waits for it." if isinstance(engine, StartingEngine) and not engine.loaded
+             else f"Up to {engine.capacity} worlds at once. {engine.describe()}")
     text = (f"# LingBot-World v2 — realtime world model\n"
             f"Model **{config.name}**, {config.width}×{config.height} at {config.fps} FPS, "
-            f"{config.pixel_frames_per_block} frames per block; up to {engine.capacity} worlds at once. "
-            f"{engine.describe()}").rstrip()
+            f"{config.pixel_frames_per_block} frames per block. {where}").rstrip()
     if not config.trained:
         text += ("\n\n> ⚠️ **These weights are random (untrained).** The embedded model shows the machinery — "
                  "streaming, controls, sessions — not a meaningful world. Run with `--model` pointing at the real "
@@ -716,7 +724,8 @@ def main(argv: list[str] | None = None) -> None:
         log.note(f"remote backend: {engine.capacity} {engine.protocol} realtime server(s), model config "
                  f"{engine.model_config.name} ({engine.model_config.width}x{engine.model_config.height})")
     else:
-        engine = start_local_engine(args, log)
+        # The page first: the model's config comes from its files, and the model loads once the page is up.
+        engine = start_local_engine(args, log, behind_page=True)
     with log.stage("build the page"):
         app = build_demo(engine, stream_config=StreamConfig(max_streams_per_address=args.max_per_address),
                          offline_max_blocks=args.offline_max_blocks, workdir=workdir,
@@ -725,11 +734,31 @@ def main(argv: list[str] | None = None) -> None:
         _, url, _ = app.launch(server_name=args.host, server_port=args.port, prevent_thread_lock=True)
         base = url.replace('http', 'ws', 1).rstrip('/')
         protocol = f"; realtime protocols at {base}{GENERATE_PATH} (SGLang) and {base}{VIDEO_PATH} (vLLM-Omni)"
-        log.note(f"ready at {url} ({engine.capacity} worlds at once){protocol}")
-        app.demo.block_thread()
+        if isinstance(engine, StartingEngine):
+            log.note(f"ready at {url}; the model loads behind the page{protocol}")
+            threading.Thread(target=_load_behind_page, args=(engine, log), name="lingbot-model-load",
+                             daemon=True).start()
+        else:
+            log.note(f"ready at {url} ({engine.capacity} worlds at once){protocol}")
+        app.demo.block_thread()  # returns on Ctrl-C, SIGTERM, or a model that failed to load behind the page
+    except KeyboardInterrupt:  # before the server blocked
+        if not (isinstance(engine, StartingEngine) and engine.error is not None):
+            raise
     finally:
         app.close()
         engine.shutdown()
+    if isinstance(engine, StartingEngine) and engine.error is not None:
+        raise SystemExit(f"error: the model failed to load: {engine.error}")
+
+
+def _load_behind_page(engine: StartingEngine, log: StartupLog) -> None:
+    """Load the model behind the served page; a failure stops the app (main says why)."""
+    try:
+        engine.load()
+    except BaseException:  # noqa: BLE001  (main reports it as it exits)
+        _thread.interrupt_main()
+        return
+    log.note(f"the model is ready: {engine.capacity} worlds at once")
 
 
 if __name__ == "__main__":

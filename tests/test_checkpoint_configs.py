@@ -23,6 +23,7 @@ from lingbot_core.config import (
 )
 from lingbot_core.blocks.kv_cache import KVPagePool
 from lingbot_core.blocks.loading import CheckpointError, load_pipeline_parts
+from lingbot_core.blocks.model_source import planned_config, same_but_vae
 from tests.checkpoint_writer import (
     PUBLISHED_MODEL_INDEX_KEYS,
     PUBLISHED_TEXT_ENCODER_KEYS,
@@ -201,6 +202,10 @@ def test_accepted_variants_load(checkpoint, tmp_path, file, changes):
     _edit(folder / file, **changes)
     parts = load_pipeline_parts(folder, dtype=torch.float32, preset_hint=CFG)
     assert parts.config.transformer == CFG.transformer
+    # The config the page is built from while the weights load (blocks/model_source.py) is the loaded one,
+    # but for VAE fields a config file leaves to diffusers' defaults.
+    planned = planned_config(str(folder), CFG)
+    assert same_but_vae(planned, parts.config) and planned.vae.items() <= parts.config.vae.items()
 
 
 @pytest.mark.parametrize("file,changes,pattern", [

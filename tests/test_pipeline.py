@@ -441,7 +441,7 @@ def test_prompt_switch_changes_output_and_keeps_original_state_usable(tiny_pipel
                        window_run.pools[b + 1])
 
     # The same prompt in other whitespace is the same prompt, once the boundary has cleaned it.
-    from lingbot_core.model.text import clean_prompt
+    from lingbot_core.boundary.prompt import clean_prompt
     respaced = tiny_pipeline.with_prompt(state, clean_prompt("  " + PROMPT.replace(" ", " \t ") + "\n", 1000))
     assert respaced.prompt == PROMPT
     fresh = window_run.pools[b].copy()

@@ -24,7 +24,7 @@ from lingbot_core.boundary.image import ImageError, fit_image, image_digest, loa
 from lingbot_core.blocks.kv_cache import KVPagePool
 from lingbot_core.blocks.loading import build_seeded_parts
 from lingbot_core.model import camera
-from lingbot_core.model.text import PromptError
+from lingbot_core.boundary.prompt import PromptError
 from lingbot_core.blocks.pages import PageAllocator
 from lingbot_core.blocks.pipeline import Pipeline
 from lingbot_core.boundary.requests import StartRequest, parse_start

@@ -5,11 +5,10 @@ import torch
 from transformers import T5TokenizerFast
 
 from lingbot_core.config import EMBEDDED, TextConfig, tiny_config
+from lingbot_core.boundary.prompt import PromptError, clean_prompt
 from lingbot_core.model.text import (
-    PromptError,
     build_embedded_text_encoder,
     build_embedded_tokenizer,
-    clean_prompt,
 )
 
 TINY_TEXT = tiny_config().text

@@ -34,7 +34,6 @@ What each config file may hold (the README lists the same):
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -48,16 +47,14 @@ from huggingface_hub.errors import IncompleteSnapshotError
 from safetensors import safe_open
 from transformers import T5TokenizerFast, UMT5EncoderModel
 
-from lingbot_core.config import EMBEDDED, ModelConfig, TextConfig, TransformerConfig
+from lingbot_core.config import ModelConfig, TextConfig, TransformerConfig
 from lingbot_core.model.text import TextEncoder, build_embedded_text_encoder
 from lingbot_core.model.transformer import CausalLingBotWorldTransformer3DModel
 from lingbot_core.model.cpu_kernels import use_fast_cpu_kernels
 from lingbot_core.model.vae_stream import build_vae, check_streamable
+from lingbot_core.blocks.model_source import (EMBEDDED_FOLDER, EMBEDDED_SOURCE, CheckpointError, config_from_parts,
+                                               embedded_choice, read_json, read_transformer_config)
 
-EMBEDDED_SOURCE = "embedded"
-# The trained embedded model ships in the repository in the real checkpoint's layout (training/export.py
-# writes it; its README is the model card). Without it, "embedded" falls back to seeded random weights.
-EMBEDDED_FOLDER = Path(__file__).resolve().parents[1] / "embedded_model"
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32, torch.float64)  # float64: exactness tests only
 
 TRANSFORMER_WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -79,10 +76,6 @@ BOUNDARY_RATIO = "boundary_ratio"
 HUB_PATTERNS = ["model_index.json", "transformer/*", "vae/*", "text_encoder/*", "tokenizer/*", "scheduler/*"]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-class CheckpointError(ValueError):
-    """A source that cannot be turned into model parts; the message says what was tried and how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -111,15 +104,10 @@ def load_pipeline_parts(source: str | Path, *, dtype: torch.dtype = torch.bfloat
     """
     _check_dtype_device(dtype, device)
     if isinstance(source, str) and source == EMBEDDED_SOURCE:
-        config = _with_size(preset_hint if preset_hint is not None and preset_hint.weights_seed is not None
-                            else EMBEDDED, height, width)
-        # The shipped weights fit the embedded preset only (a hint of another size gets seeded weights).
-        shipped = preset_hint is None or dataclasses.replace(preset_hint, trained=EMBEDDED.trained) == EMBEDDED
-        if shipped and (EMBEDDED_FOLDER / "model_index.json").is_file():
-            return load_folder(EMBEDDED_FOLDER, dtype=dtype, device=device, preset_hint=config, height=height,
-                               width=width)
-        return build_seeded_parts(dataclasses.replace(config, trained=False), config.weights_seed, dtype=dtype,
-                                  device=device)
+        config, folder = embedded_choice(preset_hint, height, width, EMBEDDED_FOLDER)
+        if folder is not None:
+            return load_folder(folder, dtype=dtype, device=device, preset_hint=config, height=height, width=width)
+        return build_seeded_parts(config, config.weights_seed, dtype=dtype, device=device)
     folder = _resolve_folder(source, allow_download=allow_download, cache_dir=cache_dir)
     return load_folder(folder, dtype=dtype, device=device, preset_hint=preset_hint, height=height, width=width)
 
@@ -205,14 +193,14 @@ def load_folder(folder: str | Path, *, dtype: torch.dtype = torch.bfloat16, devi
     folder = Path(folder)
     boundary_ratio = _check_model_index(folder)
 
-    transformer_config = _read_transformer_config(folder / "transformer")
+    transformer_config = read_transformer_config(folder / "transformer")
     with torch.device("meta"):
         transformer = CausalLingBotWorldTransformer3DModel(transformer_config)
     plan = plan_transformer_shards(folder / "transformer", transformer)
     _check_text_encoder_config(folder / "text_encoder", transformer_config)
 
     vae = load_vae(folder / "vae", dtype, device)
-    config = _model_config(vae, transformer_config, preset_hint, height, width, folder)
+    config = config_from_parts(vae.config, transformer_config, preset_hint, height, width, folder)
     try:
         check_streamable(vae, config)
     except ValueError as error:
@@ -223,18 +211,6 @@ def load_folder(folder: str | Path, *, dtype: torch.dtype = torch.bfloat16, devi
     _check_text_dim(text_encoder, transformer_config, str(folder / "text_encoder"))
     return LoadedParts(config=config, transformer=transformer, vae=vae, text_encoder=text_encoder,
                        boundary_ratio=boundary_ratio)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise CheckpointError(f"missing file {path}; a diffusers-format checkpoint folder needs it")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"cannot read {path}: {error}") from error
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
 
 
 def _boundary_ratio(index: dict[str, Any], index_path: Path) -> float | None:
@@ -250,7 +226,7 @@ def _boundary_ratio(index: dict[str, Any], index_path: Path) -> float | None:
 def _check_model_index(folder: Path) -> float | None:
     """Check model_index.json; returns its boundary_ratio (recorded, without effect: there is no transformer_2)."""
     index_path = folder / "model_index.json"
-    index = _read_json(index_path)
+    index = read_json(index_path)
     for part, allowed in EXPECTED_CLASSES.items():
         entry = index.get(part)
         if not (isinstance(entry, list) and len(entry) == 2):
@@ -283,17 +259,9 @@ def _check_model_index(folder: Path) -> float | None:
     return _boundary_ratio(index, index_path)
 
 
-def _read_transformer_config(subfolder: Path) -> TransformerConfig:
-    raw = _read_json(subfolder / "config.json")
-    try:
-        return TransformerConfig.from_diffusers_config(raw)
-    except (TypeError, ValueError) as error:
-        raise CheckpointError(f"{subfolder / 'config.json'}: {error}") from error
-
-
 def _check_text_encoder_config(subfolder: Path, transformer_config: TransformerConfig) -> None:
     """Read model_type and d_model from config.json so a mismatch fails before gigabytes of weights are read."""
-    raw = _read_json(subfolder / "config.json")
+    raw = read_json(subfolder / "config.json")
     if raw.get("model_type") != "umt5":
         raise CheckpointError(f"{subfolder / 'config.json'}: model_type={raw.get('model_type')!r}; the text "
                               "encoder is UMT5 (model_type 'umt5')")
@@ -312,7 +280,7 @@ def _check_text_dim(encoder: TextEncoder, transformer_config: TransformerConfig,
 def load_vae(subfolder: Path, dtype: torch.dtype, device: torch.device | str) -> AutoencoderKLWan:
     """An AutoencoderKLWan folder (config.json and weights) as an inference module with the fast CPU kernels;
     the pipeline's loader and the training commands both read VAEs through it."""
-    class_name = _read_json(subfolder / "config.json").get("_class_name", "AutoencoderKLWan")
+    class_name = read_json(subfolder / "config.json").get("_class_name", "AutoencoderKLWan")
     if class_name != "AutoencoderKLWan":
         raise CheckpointError(f"{subfolder / 'config.json'}: _class_name is {class_name!r}; the VAE is AutoencoderKLWan")
     try:
@@ -343,30 +311,6 @@ def _load_text_encoder(folder: Path, text_config: TextConfig, dtype: torch.dtype
         raise CheckpointError(f"{folder / 'tokenizer'} has {len(tokenizer)} tokens but the text encoder's vocabulary "
                               f"has {model.config.vocab_size}; they do not belong together")
     return TextEncoder(tokenizer=tokenizer, model=model, max_length=text_config.max_length)
-
-
-def _model_config(vae: AutoencoderKLWan, transformer_config: TransformerConfig, hint: ModelConfig | None,
-                  height: int | None, width: int | None, folder: Path) -> ModelConfig:
-    """The checkpoint's transformer and VAE configs, everything else from the hint (or defaults)."""
-    vae_kwargs = {key: (list(value) if isinstance(value, tuple) else value)
-                  for key, value in vae.config.items() if not key.startswith("_")}
-    spatial = vae.config.get("scale_factor_spatial") or 2 ** (len(vae.config.dim_mult) - 1)
-    temporal = vae.config.get("scale_factor_temporal") or 2 ** sum(map(bool, vae.config.temperal_downsample))
-    base = hint if hint is not None else ModelConfig(name=folder.name, transformer=transformer_config)
-    try:
-        config = dataclasses.replace(base, transformer=transformer_config, vae=vae_kwargs,
-                                     vae_spatial_factor=spatial, vae_temporal_factor=temporal,
-                                     weights_seed=None, trained=True)
-        return _with_size(config, height, width)
-    except ValueError as error:
-        raise CheckpointError(f"checkpoint {folder} does not make a valid model config: {error}") from error
-
-
-def _with_size(config: ModelConfig, height: int | None, width: int | None) -> ModelConfig:
-    if height is None and width is None:
-        return config
-    return dataclasses.replace(config, height=config.height if height is None else height,
-                               width=config.width if width is None else width)
 
 
 def _check_dtype_device(dtype: torch.dtype, device: torch.device | str) -> None:
@@ -433,7 +377,7 @@ def plan_transformer_shards(subfolder: Path, module: torch.nn.Module) -> ShardPl
 
 
 def _shards_from_index(index_path: Path) -> dict[Path, list[str] | None]:
-    weight_map = _read_json(index_path).get("weight_map")
+    weight_map = read_json(index_path).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index_path} has no weight_map")
     by_file: dict[Path, list[str]] = {}

@@ -24,7 +24,7 @@ import numpy as np
 
 from lingbot_core.model.camera import VALID_KEYS
 from lingbot_core.config import TextConfig
-from lingbot_core.model.text import PromptError, clean_prompt
+from lingbot_core.boundary.prompt import PromptError, clean_prompt
 from lingbot_core.boundary.user_text import check_text, quote
 
 MAX_EVENT_LINE_BYTES = 64 * 1024

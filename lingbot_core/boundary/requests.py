@@ -14,7 +14,7 @@ import numpy as np
 from PIL import Image
 
 from lingbot_core.boundary.image import fit_image, load_image
-from lingbot_core.model.text import clean_prompt
+from lingbot_core.boundary.prompt import clean_prompt
 from lingbot_core.boundary.user_text import check_text, quote
 
 MAX_SEED = 2**63 - 1

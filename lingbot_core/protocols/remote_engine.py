@@ -58,7 +58,7 @@ from lingbot_core.serving.contract import (Admission, AdmissionRefused, Block, C
 from lingbot_core.serving.line import post_positions, read_outbox
 from lingbot_core.serving.renders import RenderProgress
 from lingbot_core.serving.replay import Replay
-from lingbot_core.serving.session import SessionStatus
+from lingbot_core.serving.contract import SessionStatus
 from lingbot_core.boundary.video import H264Writer
 from lingbot_core.protocols.connection import Ended, Outcome, RemoteClosed, RemoteUnavailable
 from lingbot_core.protocols.pool import Server, ServerPool, ServerState

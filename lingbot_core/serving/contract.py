@@ -167,6 +167,14 @@ class Failed:
     waiting_for_input: bool = False  # the session runs no block until new input (or a reset) arrives
 
 
+class SessionStatus(enum.Enum):
+    """Where a session stands (Backend.session_status)."""
+
+    ACTIVE = "active"
+    FAILED = "failed"  # the last block raised; the state is intact and the next step may succeed
+    CLOSED = "closed"
+
+
 class CloseCause(enum.Enum):
     """Why a session (or a place in line) ended, for code to act on; `Closed.reason` says it to people."""
 

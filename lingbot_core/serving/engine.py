@@ -69,7 +69,8 @@ from lingbot_core.serving.renders import (RenderDone, RenderFailed, RenderJob, R
                                           RenderRefusedError)
 from lingbot_core.serving.replay import Replay
 from lingbot_core.serving.scheduler import Scheduler
-from lingbot_core.serving.session import Session, SessionStatus
+from lingbot_core.serving.contract import SessionStatus
+from lingbot_core.serving.session import Session
 
 log = logging.getLogger(__name__)
 

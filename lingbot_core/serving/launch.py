@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
+from lingbot_core.blocks.model_source import choose_source, planned_config
 from lingbot_core.process.allocator import keep_freed_memory
 from lingbot_core.process.precision import AUTO, DTYPE_CHOICES
 from lingbot_core.process.startup import StartupLog
 from lingbot_core.serving.clients import ClientLimits
 from lingbot_core.serving.contract import EngineConfig
+from lingbot_core.serving.starting import StartingEngine
 
 IDLE_TTL_S = 120.0  # seconds without input before a world closes
 CPU_SESSIONS = 2  # worlds at once on a CPU by default: compute runs out long before memory
@@ -51,13 +54,40 @@ def engine_config(args: argparse.Namespace, device: str, **fields) -> EngineConf
     return EngineConfig(memory_budget_bytes=budget, max_sessions=max_sessions, idle_ttl_s=args.idle_ttl, **fields)
 
 
-def start_local_engine(args: argparse.Namespace, log: StartupLog, **fields):
-    """Load the model the options name and start the local engine over it."""
-    from lingbot_core.serving.factory import create_engine, default_device
+def default_device() -> str:
+    """cuda when there is a GPU the engine's worker thread can keep; ZeroGPU lends one per call only."""
+    import torch
 
+    if os.environ.get("SPACES_ZERO_GPU"):
+        print("ZeroGPU hardware: the live engine needs a GPU held for the whole session, so it runs on the CPU; "
+              "choose dedicated GPU hardware for the real model", file=sys.stderr)
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def start_local_engine(args: argparse.Namespace, log: StartupLog, *, behind_page: bool = False, **fields):
+    """Load the model the options name and start the local engine over it.
+
+    behind_page: return a StartingEngine (serving/starting.py) instead, whose `load()` the caller runs once its
+    page is up, where the model's config can be read from its files (the embedded model, a local folder);
+    a Hub id, or a folder whose files the loader will refuse, loads here as before (the loader explains)."""
     device = args.device or os.environ.get("LINGBOT_DEVICE") or default_device()
-    return create_engine(args.model, device=device, dtype=args.dtype, compile=args.compile, log=log,
-                         engine_config=engine_config(args, device, **fields))
+    config = engine_config(args, device, **fields)
+
+    def make():
+        from lingbot_core.serving.factory import create_engine  # diffusers and transformers: seconds to import
+
+        return create_engine(args.model, device=device, dtype=args.dtype, compile=args.compile, log=log,
+                             engine_config=config)
+
+    if behind_page:
+        try:
+            planned = planned_config(*choose_source(args.model))
+        except ValueError:  # a refused test preset or checkpoint folder: the loader says why, below
+            planned = None
+        if planned is not None:
+            return StartingEngine(planned, config, make)
+    return make()
 
 
 def startup_line(log: StartupLog) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from lingbot_core.serving.contract import EngineConfig
 from lingbot_core.serving.renders import RenderJob, RenderLine
-from lingbot_core.serving.session import SessionStatus
+from lingbot_core.serving.contract import SessionStatus
 
 
 class Scheduler:

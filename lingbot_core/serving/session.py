@@ -20,7 +20,6 @@ commit against them.
 from __future__ import annotations
 
 import copy
-import enum
 import threading
 import time
 from collections import deque
@@ -38,14 +37,9 @@ from lingbot_core.boundary.requests import BlockControl
 from lingbot_core.blocks.rollout import BlockOutput, RolloutState, release
 from lingbot_core.model import camera
 from lingbot_core.model.camera_motion import CameraMotion, advance
+from lingbot_core.serving.contract import SessionStatus
 from lingbot_core.serving.memory import Footprint, committed_bytes, in_flight_bytes
 from lingbot_core.serving.replay import Replay
-
-
-class SessionStatus(enum.Enum):
-    ACTIVE = "active"
-    FAILED = "failed"  # the last block raised; the state is intact and the next step may succeed
-    CLOSED = "closed"
 
 
 class SessionClosed(RuntimeError):

@@ -55,7 +55,7 @@ from lingbot_core.serving.clients import ClientGate, ClientLimits, LimitReached
 from lingbot_core.serving.contract import (Admission, AdmissionRefused, Backend, Block, CloseCause, Closed, Failed,
                                            Frames, NewWorld, UnknownSession, Waiting)
 from lingbot_core.serving.pacing import AdaptiveLead, PlaybackClock
-from lingbot_core.serving.session import SessionStatus
+from lingbot_core.serving.contract import SessionStatus
 from lingbot_core.serving import telemetry
 from lingbot_core.serving.telemetry import telemetry_line, waiting_line
 

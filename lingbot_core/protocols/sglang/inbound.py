@@ -28,7 +28,7 @@ import math
 from collections import deque
 
 from lingbot_core.boundary.events import Event, KeyStateEvent, ScriptEvent
-from lingbot_core.model.text import clean_prompt
+from lingbot_core.boundary.prompt import clean_prompt
 from lingbot_core.boundary.user_text import check_text
 from lingbot_core.protocols.sglang.actions import tokens_to_keys
 from lingbot_core.protocols.sglang.protocol import (INVALID_EVENT, MAX_SCRIPT_FRAMES, CameraActions, CameraScript, CameraState, CompositeInput,

@@ -43,7 +43,7 @@ from typing import Any, Mapping, Sequence, Union
 
 from lingbot_core.boundary.user_text import QUOTE_CHARS, check_text, quote
 from lingbot_core.config import TextConfig
-from lingbot_core.model.text import clean_prompt
+from lingbot_core.boundary.prompt import clean_prompt
 
 PATH = "/v1/realtime/video"
 FORMAT = "m4s"
