@@ -623,9 +623,12 @@ def build_demo(engine: Backend, *, stream_config: StreamConfig = StreamConfig(),
                           api_visibility="private", show_progress="hidden")
         session_box.change(issue_ticket, [session_box], [ticket_box], api_visibility="private", show_progress="hidden",
                            queue=False)
-        if isinstance(engine, StartingEngine):  # the header the page was served with said "loading"
-            demo.load(lambda: _header(config, engine), None, [header], api_visibility="private",
-                      show_progress="hidden")
+        if isinstance(engine, StartingEngine):  # the header the page was served with may say "loading"
+            def loaded_header() -> str:
+                engine.engine()  # waits for the model
+                return _header(config, engine)
+
+            demo.load(loaded_header, None, [header], api_visibility="private", show_progress="hidden")
         ticket_box.change(None, [ticket_box], None, js="(t) => { if (window.lingbotPlayer) window.lingbotPlayer.connect(t); }",
                           api_visibility="private", show_progress="hidden", queue=False)
         clock_button.click(playhead_from_page, [session_box, playhead_box], [playhead_box], js=READ_PLAYHEAD_JS,

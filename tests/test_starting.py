@@ -156,3 +156,34 @@ def test_the_app_serves_its_page_before_the_model_and_stops_when_the_model_fails
     out, _ = process.communicate(timeout=120)
     assert process.returncode != 0, out
     assert out.index("ready at http") < out.index("error: the model failed to load"), out
+
+
+def test_the_page_built_while_the_model_loads_says_so_then_shows_the_engine(tmp_path):
+    import app as lingbot_app
+    from lingbot_core.serving.factory import create_engine
+
+    release = threading.Event()
+
+    def make():
+        release.wait(30)
+        return create_engine(preset="tiny", compile=False, engine_config=EngineConfig(max_sessions=1))
+
+    starting = StartingEngine(planned_config(*choose_source(None, "tiny", environ={})), EngineConfig(max_sessions=1),
+                              make)
+    app = lingbot_app.build_demo(starting, workdir=tmp_path / "work")  # built before the model loads
+    try:
+        header = next(b for b in app.demo.blocks.values() if "realtime world model" in str(getattr(b, "value", "")))
+        assert "The model is loading; Start waits for it." in header.value
+        [fill] = [f.fn for f in app.demo.fns.values() if f.name == "loaded_header"]
+        answers = []
+        waiter = threading.Thread(target=lambda: answers.append(fill()))
+        waiter.start()
+        time.sleep(0.2)
+        assert answers == []  # the page's load event waits for the model
+        release.set()
+        starting.load()
+        waiter.join(30)
+        assert "Up to 1 worlds at once." in answers[0] and "loading" not in answers[0]
+    finally:
+        app.close()
+        starting.shutdown()
