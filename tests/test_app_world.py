@@ -20,6 +20,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
+import os
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -147,6 +149,8 @@ def test_the_workers_truth_of_a_block_is_the_world_rendered_along_its_poses():
         assert view.submit(block) == ""
         view.pending[1].result(timeout=900)  # a bound on a hung worker only: a starved host can take minutes
         comparison = view.take()
+        if hasattr(os, "SCHED_IDLE"):  # Linux: the renderer takes only CPU time the world leaves
+            assert os.sched_getscheduler(renderer._process.pid) == os.SCHED_IDLE
     finally:
         renderer.close()
     truth = to_uint8(render(make_world(seed), path.pixel_poses[21:33], path.intrinsics, config.width,
