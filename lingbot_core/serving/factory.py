@@ -12,11 +12,11 @@ from pathlib import Path
 
 from lingbot_core.blocks.model_source import EMBEDDED_SOURCE, choose_source
 from lingbot_core.blocks.pipeline import load_pipeline
+from lingbot_core.process.device import default_device
 from lingbot_core.process.precision import AUTO
 from lingbot_core.process.startup import StartupLog
 from lingbot_core.serving.contract import EngineConfig
 from lingbot_core.serving.engine import Engine
-from lingbot_core.serving.launch import default_device
 
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from lingbot_core.blocks.model_source import choose_source, planned_config
 from lingbot_core.process.allocator import keep_freed_memory
+from lingbot_core.process.device import default_device
 from lingbot_core.process.precision import AUTO, DTYPE_CHOICES
 from lingbot_core.process.startup import StartupLog
 from lingbot_core.serving.clients import ClientLimits
@@ -52,17 +52,6 @@ def engine_config(args: argparse.Namespace, device: str, **fields) -> EngineConf
     budget = int(args.memory_budget_gib * 2**30) if args.memory_budget_gib else None
     max_sessions = args.max_sessions or (CPU_SESSIONS if device == "cpu" else None)
     return EngineConfig(memory_budget_bytes=budget, max_sessions=max_sessions, idle_ttl_s=args.idle_ttl, **fields)
-
-
-def default_device() -> str:
-    """cuda when there is a GPU the engine's worker thread can keep; ZeroGPU lends one per call only."""
-    import torch
-
-    if os.environ.get("SPACES_ZERO_GPU"):
-        print("ZeroGPU hardware: the live engine needs a GPU held for the whole session, so it runs on the CPU; "
-              "choose dedicated GPU hardware for the real model", file=sys.stderr)
-        return "cpu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def start_local_engine(args: argparse.Namespace, log: StartupLog, *, behind_page: bool = False, **fields):
