@@ -12,10 +12,10 @@ events and to encode video; a remote backend loads no model, so they come from:
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
-from lingbot_core.config import LINGBOT_WORLD_V2_14B, PRESETS, TEST_PRESETS, WAN21_VAE, ModelConfig, TransformerConfig
+from lingbot_core.blocks.model_source import read_transformer_config
+from lingbot_core.config import LINGBOT_WORLD_V2_14B, PRESETS, TEST_PRESETS, WAN21_VAE, ModelConfig
 
 
 
@@ -28,12 +28,8 @@ def remote_model_config(model: str | None = None) -> ModelConfig:
     if model in TEST_PRESETS:
         return TEST_PRESETS[model]()
     folder = Path(model).expanduser()
-    config_path = folder / "transformer" / "config.json"
-    if config_path.is_file():
-        try:
-            transformer = TransformerConfig.from_diffusers_config(json.loads(config_path.read_text()))
-        except (OSError, ValueError, TypeError) as exc:
-            raise ValueError(f"{config_path}: {exc}") from None
+    if (folder / "transformer" / "config.json").is_file():
+        transformer = read_transformer_config(folder / "transformer")  # CheckpointError (a ValueError) says why
         return ModelConfig(name=folder.name, transformer=transformer, vae=dict(WAN21_VAE))
     if folder.exists():
         raise ValueError(f"{folder} has no transformer/config.json; name a diffusers folder, a preset "
