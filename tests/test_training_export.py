@@ -29,3 +29,11 @@ def test_exporting_a_new_transformer_beside_the_folders_own_vae_keeps_that_vae(t
     weights = load_file(out / "transformer" / TRANSFORMER_WEIGHTS)
     assert weights.keys() == model.state_dict().keys()
     assert all(torch.equal(weights[k], v.to(torch.float16)) for k, v in model.state_dict().items())
+
+
+def test_a_folder_with_neither_a_run_nor_a_transformer_is_refused_before_anything_is_written(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="neither a training.world checkpoint"):
+        export(DEFAULT_OUT / "vae", tmp_path / "empty", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -1,39 +1,44 @@
 """The committed stages of the retrain (training/stages/) stay usable as the code changes: the next session
 resumes from them on whatever machine it gets, so a stage that no longer loads would cost a retrain.
 
-Each world-model stage is paired with the VAE whose latents it was trained on (its STAGE.md names it)."""
-import shutil
+A world-model stage trained on the latents of the VAE its STAGE.md command names (`--vae training/stages/...`)."""
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from lingbot_core.blocks.model_source import EMBEDDED_FOLDER
+from lingbot_core.blocks.loading import TRANSFORMER_WEIGHTS
 from lingbot_core.model.vae_stream import check_streamable
+from training.export import export
 from training.world import load_exported_weights, load_vae, model_config, new_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import eval_world  # noqa: E402
 
 STAGES = Path(__file__).resolve().parents[1] / "training" / "stages"
-VAE_OF_WORLD_STAGE = {"world-p2-s1": "vae-p2-b24-s2", "world-p2-s2": "vae-p2-b24-s2"}
 
 
 def _stages(prefix: str) -> list[Path]:
     return sorted(p for p in STAGES.iterdir() if p.is_dir() and p.name.startswith(prefix))
 
 
-def test_every_stage_has_its_record_and_every_world_stage_names_its_vae():
+def _vae_of(world_stage: Path) -> Path:
+    """The VAE stage a world stage's own command trained on."""
+    named = re.findall(r"--vae training/stages/([\w.-]+)/vae", (world_stage / "STAGE.md").read_text())
+    assert len(set(named)) == 1, f"{world_stage.name}: its STAGE.md command must name one committed VAE stage"
+    return STAGES / named[0] / "vae"
+
+
+def test_every_stage_has_its_record_and_every_world_stage_a_committed_vae():
     stages = _stages("")
     assert stages, f"no stage under {STAGES}"
     for stage in stages:
         assert (stage / "STAGE.md").is_file(), f"{stage.name} has no STAGE.md (command, seeds, figures)"
     for stage in _stages("world-"):
-        assert stage.name in VAE_OF_WORLD_STAGE, f"{stage.name}: add the VAE it was trained on to this test"
-        vae_name = VAE_OF_WORLD_STAGE[stage.name]
-        assert (STAGES / vae_name / "vae").is_dir()
-        assert f"training/stages/{vae_name}/vae" in (stage / "STAGE.md").read_text()
+        assert _vae_of(stage).is_dir(), f"{stage.name}: {_vae_of(stage)} is not committed"
 
 
 @pytest.mark.parametrize("stage", [p.name for p in _stages("vae-")])
@@ -45,12 +50,10 @@ def test_a_vae_stage_loads_and_streams_with_the_embedded_preset(stage):
 @pytest.mark.parametrize("stage", [p.name for p in _stages("world-")])
 def test_a_world_stage_starts_a_run_with_its_exact_weights(stage):
     """--init-from STAGE: every weight of the committed (fp16) transformer lands in the run's model."""
-    from safetensors.torch import load_file
-
-    vae = load_vae(STAGES / VAE_OF_WORLD_STAGE[stage] / "vae")
+    vae = load_vae(_vae_of(STAGES / stage))
     model = new_model(model_config(vae), seed=0)
     load_exported_weights(model, STAGES / stage)
-    saved = load_file(STAGES / stage / "transformer" / "diffusion_pytorch_model.safetensors")
+    saved = load_file(STAGES / stage / "transformer" / TRANSFORMER_WEIGHTS)
     state = model.state_dict()
     assert set(saved) == set(state)
     for name, value in saved.items():
@@ -59,29 +62,26 @@ def test_a_world_stage_starts_a_run_with_its_exact_weights(stage):
         assert torch.isfinite(state[name]).all(), f"{stage}: {name} is not finite"
 
 
-def test_the_newest_world_stage_plays_a_held_out_world_through_the_apps_loader(tmp_path):
-    """What an export of the stage would ship: the embedded folder with the stage's transformer and VAE, read
-    by the checkpoint loader (every config, name and shape checked, the VAE streamable), plays block 0 of a
-    held-out world near the truth (stage world-p2-s2: 22.8 dB; a random frame of the world gives about 11 dB)."""
-    from lingbot_core.boundary.requests import BlockControl
-    from lingbot_core.world import HELD_OUT_SEEDS, held_keys, key_path, make_world
+def test_the_newest_world_stage_exports_and_plays_a_held_out_world(tmp_path):
+    """`training.export --world-run STAGE` on a machine that never held the stage's run: the folder it writes
+    carries the stage's weights bit for bit, loads through the checkpoint loader the app uses (every config,
+    name and shape checked, the VAE streamable) and plays block 0 of a held-out world near the truth (stage
+    world-p2-s2: 24.4 dB, as in the quick evaluation; a random frame of the world gives about 11 dB)."""
+    from lingbot_core.world import HELD_OUT_SEEDS, key_path, held_keys, make_world
     from lingbot_core.world.metrics import psnr
 
     stage = _stages("world-")[-1]
-    folder = tmp_path / "model"
-    shutil.copytree(EMBEDDED_FOLDER, folder, ignore=shutil.ignore_patterns("transformer", "vae"))
-    shutil.copytree(stage / "transformer", folder / "transformer")
-    shutil.copytree(STAGES / VAE_OF_WORLD_STAGE[stage.name] / "vae", folder / "vae")
+    folder = export(_vae_of(stage), stage, tmp_path / "model")
+    assert (folder / "transformer" / TRANSFORMER_WEIGHTS).read_bytes() == \
+        (stage / "transformer" / TRANSFORMER_WEIGHTS).read_bytes()
     pipe = eval_world.load_model(str(folder), "fp32")
     config = pipe.config
     assert (config.height, config.width) == (96, 160) and pipe.vae.config.get("patch_size") == 2
 
     world = make_world(HELD_OUT_SEEDS[0])
-    path = key_path(held_keys([""], config.transformer.num_frames_per_block), config)
-    image = eval_world._start_picture(world, config)
-    actions = held_keys([""], config.transformer.num_frames_per_block)
-    (output,) = list(pipe.rollout(image, "a world", 0, [BlockControl(actions=actions)]))
-    frames = ((output.frames[0].float().permute(1, 0, 2, 3) + 1.0) / 2.0).clamp(0, 1)
+    standing = eval_world.Script("standing", ("",), 1)
+    frames = eval_world.roll_out(pipe, eval_world._start_picture(world, config), standing, set()).frames
+    path = key_path(held_keys(standing.keys_per_block, config.transformer.num_frames_per_block), config)
     truth = eval_world.ground_truth(world, path, config, eval_world.block_frames(config, 0))
     assert frames.shape == truth.shape
     assert float(psnr(frames, truth).mean()) > 20.0
