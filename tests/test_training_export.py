@@ -37,3 +37,29 @@ def test_a_folder_with_neither_a_run_nor_a_transformer_is_refused_before_anythin
     with pytest.raises(ValueError, match="neither a training.world checkpoint"):
         export(DEFAULT_OUT / "vae", tmp_path / "empty", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_that_kept_an_average_of_its_weights_exports_the_average(tmp_path):
+    """--ema-decay: the parameters come from the checkpoint's average, buffers from the model."""
+    from training.weight_average import WeightAverage
+
+    out, run = tmp_path / "model", tmp_path / "run"
+    run.mkdir()
+    model = new_model(EMBEDDED, seed=3)
+    average = WeightAverage.start(model, 0.9)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    average.update(model)  # every parameter 0.1 of the way to weights one higher
+    tc = WorldTrainConfig(vae=str(DEFAULT_OUT / "vae"), clips_dir="unused", stored_clips=1, ema_decay=0.9)
+    torch.save({"format": CHECKPOINT_FORMAT, "train_config": dataclasses.asdict(tc), "step": 7,
+                "model": model.state_dict(), "ema": average.weights}, run / CHECKPOINT)
+    export(DEFAULT_OUT / "vae", run, out)
+    weights = load_file(out / "transformer" / TRANSFORMER_WEIGHTS)
+    parameters = dict(model.named_parameters())
+    assert weights.keys() == model.state_dict().keys()
+    for name, value in model.state_dict().items():
+        if name in parameters:  # 0.9 below the last step's weights, to half precision's rounding
+            torch.testing.assert_close(weights[name].float(), value - 0.9, atol=2e-3, rtol=2e-3)
+        else:
+            assert torch.equal(weights[name], value.to(torch.float16)), name

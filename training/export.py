@@ -2,8 +2,9 @@
 
     python -m training.export --vae DIR/vae --world-run RUN_DIR [--out lingbot_core/embedded_model]
 
-RUN_DIR is a training.world run folder (its last checkpoint is exported) or a committed stage folder that holds
-transformer/ (training/stages/world-*): a stage ships on a machine that never held its run.
+RUN_DIR is a training.world run folder (its last checkpoint is exported: the average of its weights where the
+run kept one, `--ema-decay`) or a committed stage folder that holds transformer/ (training/stages/world-*): a
+stage ships on a machine that never held its run.
 
 The folder has the real checkpoint's diffusers layout (model_index.json, transformer/, vae/,
 text_encoder/, tokenizer/, scheduler/) in half precision, and `lingbot_core/blocks/loading.py` reads it with
@@ -26,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from lingbot_core.config import EMBEDDED
 from lingbot_core.blocks.loading import TRANSFORMER_WEIGHTS, build_seeded_parts
+from training.weight_average import CHECKPOINT_KEY as AVERAGE_KEY, exported_weights
 from training.world import CHECKPOINT, load_checkpoint, load_vae, model_config
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "lingbot_core" / "embedded_model"
@@ -54,8 +56,10 @@ def world_weights(world: Path) -> tuple[dict[str, torch.Tensor], str]:
     """The transformer's weights and where they came from: a run folder's last checkpoint, or a stage folder's
     transformer/ (already half precision, so the export copies it exactly)."""
     if (world / CHECKPOINT).is_file():
-        _, state = load_checkpoint(world)
-        return state["model"], f"world model step {state['step']}"
+        tc, state = load_checkpoint(world)
+        weights, which = exported_weights(state)
+        decay = f", decay {tc.ema_decay}" if state.get(AVERAGE_KEY) else ""
+        return weights, f"world model step {state['step']}, {which}{decay}"
     if (world / "transformer" / TRANSFORMER_WEIGHTS).is_file():
         return load_file(world / "transformer" / TRANSFORMER_WEIGHTS), f"world model of {world}"
     raise ValueError(f"{world} holds neither a training.world checkpoint ({CHECKPOINT}) nor "

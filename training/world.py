@@ -40,7 +40,8 @@ few others), so the model learns to read the world from the picture and the keys
 says, and prompt switching changes nothing it relies on.
 
 Reproducible and resumable as training/vae.py: step s uses batch items s*batch .. of the data seed,
-each a pure function of (data_seed, item); RUN_DIR/last.pt holds model, optimizer, step and RNG.
+each a pure function of (data_seed, item); RUN_DIR/last.pt holds model, optimizer, step and RNG (and, with
+--ema-decay, the average of the weights, which is what gets exported).
 The frozen VAE's latents of the stored clips are computed once into RUN_DIR/latents.pt; a run resumed
 with more stored clips (never fewer) encodes only the new ones and appends them.
 """
@@ -71,6 +72,7 @@ from lingbot_core.model.vae_stream import check_streamable, condition_mask
 from training.data import StoredClips, array_to_actions, mirror_actions, mirror_poses, start_state
 from training.runs import decayed_rate, save_atomically, trim_log
 from training.vae import ROLLOUTS_FORMAT
+from training.weight_average import CHECKPOINT_KEY as AVERAGE_KEY, WeightAverage, exported_weights
 
 CHECKPOINT = "last.pt"
 LOG = "log.jsonl"
@@ -127,6 +129,9 @@ class WorldTrainConfig:
     # new schedule keeps the old one this way, so one run can be measured under both (empty: only the
     # preset's four).
     extra_flow_shifts: tuple[float, ...] = ()
+    # Keep an exponential moving average of the weights, decay per step, and export it
+    # (training/weight_average.py says why; 0: none). May be turned on part-way through a run.
+    ema_decay: float = 0.0
 
     def __post_init__(self) -> None:
         if self.blocks < 1 or self.batch < 1 or self.stored_clips < 1:
@@ -141,6 +146,8 @@ class WorldTrainConfig:
             raise ValueError("position_shift_share must be within [0, 1]")
         if self.position_shift_blocks < 1:
             raise ValueError("position_shift_blocks must be at least 1")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError("ema_decay must be within [0, 1)")
         # A checkpoint stores the run's settings as lists; compare them as the tuple a command gives.
         object.__setattr__(self, "extra_flow_shifts", tuple(float(x) for x in self.extra_flow_shifts))
         if any(not shift > 0.0 for shift in self.extra_flow_shifts):
@@ -502,9 +509,12 @@ def load_exported_weights(model: CausalLingBotWorldTransformer3DModel, folder: s
     model.train().requires_grad_(True)  # the loader leaves an inference module
 
 
-def save_checkpoint(run_dir: Path, tc: WorldTrainConfig, step: int, model, optimizer, generator) -> None:
+def save_checkpoint(run_dir: Path, tc: WorldTrainConfig, step: int, model, optimizer, generator,
+                    average: WeightAverage | None = None) -> None:
     state = {"format": CHECKPOINT_FORMAT, "train_config": dataclasses.asdict(tc), "step": step,
              "model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": generator.get_state()}
+    if average is not None:
+        state[AVERAGE_KEY] = average.weights
     save_atomically(state, run_dir / CHECKPOINT)
 
 
@@ -519,7 +529,7 @@ def load_checkpoint(run_dir: Path, tc: WorldTrainConfig | None = None) -> tuple[
     # The mirror images add data beside the stored clips, so a run may take them up on resume; so may
     # the position shift its batches.
     ignore = {"rollout_from", "rollout_share", "lr_decay_from", "lr_final", "motion_weight", "mirror",
-              "position_shift_share", "position_shift_blocks"}
+              "position_shift_share", "position_shift_blocks", "ema_decay"}
     if tc is not None:
         diff = {k: (v, getattr(tc, k)) for k, v in dataclasses.asdict(saved).items()
                 if k not in ignore and getattr(tc, k) != v}
@@ -554,6 +564,9 @@ def train(tc: WorldTrainConfig, run_dir: Path, steps: int, checkpoint_every: int
         generator.set_state(state["rng"])
         step = state["step"]
         trim_log(run_dir / LOG, step)
+    average = None
+    if tc.ema_decay > 0.0:
+        average = WeightAverage.start(model, tc.ema_decay, state.get(AVERAGE_KEY) if state is not None else None)
     bar = tqdm(total=steps, initial=step, unit="step", disable=not progress, dynamic_ncols=True)
     started = time.perf_counter()
     with open(run_dir / LOG, "a") as log:
@@ -580,6 +593,8 @@ def train(tc: WorldTrainConfig, run_dir: Path, steps: int, checkpoint_every: int
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
+            if average is not None:
+                average.update(model)
             step += 1
             record = {"step": step, "loss": round(loss.item(), 6), "rollout": use_rollout, "shift": shift,
                       "lr": optimizer.param_groups[0]["lr"],
@@ -589,7 +604,7 @@ def train(tc: WorldTrainConfig, run_dir: Path, steps: int, checkpoint_every: int
             bar.update(1)
             if step % checkpoint_every == 0 or step == steps:
                 log.flush()
-                save_checkpoint(run_dir, tc, step, model, optimizer, generator)
+                save_checkpoint(run_dir, tc, step, model, optimizer, generator, average)
     bar.close()
     return model
 
@@ -602,7 +617,7 @@ def export_transformer(run_dir: Path, out: Path) -> Path:
     config = model_config(load_vae(tc.vae))
     folder = out / "transformer"
     folder.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.to(torch.float16).contiguous() for k, v in state["model"].items()}
+    weights = {k: v.to(torch.float16).contiguous() for k, v in exported_weights(state)[0].items()}
     save_file(weights, folder / "diffusion_pytorch_model.safetensors")
     raw = {"_class_name": "CausalLingBotWorldTransformer3DModel", **config.transformer.to_diffusers_config()}
     (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
@@ -661,6 +676,8 @@ def main() -> None:
     parser.add_argument("--extra-flow-shifts", type=float, nargs="*", default=list(d.extra_flow_shifts),
                         metavar="SHIFT", help="also train at the sigmas of the sampler's timesteps under these "
                         "flow shifts (the rollouts keep the preset's own schedule)")
+    parser.add_argument("--ema-decay", type=float, default=d.ema_decay,
+                        help="keep an average of the weights (per-step decay, e.g. 0.998) and export it; 0: none")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--threads", type=int, default=2)
@@ -690,6 +707,7 @@ def main() -> None:
                               position_shift_share=args.position_shift_share,
                               position_shift_blocks=args.position_shift_blocks,
                               extra_flow_shifts=args.extra_flow_shifts,  # made a tuple by the config
+                              ema_decay=args.ema_decay,
                               init_from=str(Path(args.init_from).expanduser()) if args.init_from else "")
         print(f"run {run_dir}")
         train(tc, run_dir, args.steps, args.checkpoint_every)
