@@ -116,6 +116,13 @@ def block_frames(config: ModelConfig, block: int) -> slice:
     return slice(config.pixel_frames_for_blocks(block), config.pixel_frames_for_blocks(block + 1))
 
 
+def block_pairs(config: ModelConfig, block: int) -> slice:
+    """The frame pairs (pair t-1 -> t at index t-1, as video_motion gives them) whose motion block `block`
+    >= 1 shows: from the previous block's last frame on, so no step between blocks goes unmeasured."""
+    part = block_frames(config, block)
+    return slice(part.start - 1, part.stop - 1)
+
+
 @contextlib.contextmanager
 def threads(count: int) -> Iterator[None]:
     before = torch.get_num_threads()
@@ -163,12 +170,13 @@ class Rollout(NamedTuple):
     statistics: dict[int, tuple[float, float, float]]  # block -> (mean, contrast, high frequency)
 
 
-def roll_out(pipe: Pipeline, image: np.ndarray, script: Script, stats_blocks: set[int]) -> Rollout:
+def roll_out(pipe: Pipeline, image, script: Script, stats_blocks: set[int], prompt: str = PROMPT) -> Rollout:
+    """`image`: what Pipeline.rollout takes (a world's start picture, a photo's path)."""
     fpb = pipe.config.transformer.num_frames_per_block
     actions = held_keys(script.keys_per_block, fpb)
     controls = [BlockControl(actions=actions[b * fpb:(b + 1) * fpb]) for b in range(len(script.keys_per_block))]
     kept, stats = [], {}
-    for output in pipe.rollout(image, PROMPT, 0, controls):
+    for output in pipe.rollout(image, prompt, 0, controls):
         frames = ((output.frames[0].float().permute(1, 0, 2, 3) + 1.0) / 2.0).clamp(0, 1)  # [T, 3, H, W]
         if output.block_index < script.compare_blocks:
             kept.append(frames)
@@ -200,8 +208,7 @@ class Records:
                    truth: torch.Tensor) -> None:
         generated, true = video_motion(frames), video_motion(truth)  # pair t-1 -> t at index t-1
         for block in range(1, _blocks_in(config, len(truth))):
-            part = block_frames(config, block)
-            pairs = slice(part.start - 1, part.stop - 1)  # from the previous block's last frame on
+            pairs = block_pairs(config, block)
             for key in sorted(script.keys_per_block[block]):
                 g = float(motion_for_key(generated, key)[pairs].sum())
                 t = float(motion_for_key(true, key)[pairs].sum())

@@ -16,11 +16,11 @@ def test_block_motion_is_the_motion_eval_world_records_for_the_same_frames():
 
     config = PRESETS["embedded"]
     world = make_world(HELD_OUT_SEEDS[0])
-    keys = action_check.keys_per_block("w", 2)
+    script = action_check.held("w", 2)
+    keys = script.keys_per_block
     path = key_path(held_keys(keys, config.transformer.num_frames_per_block), config)
     truth = eval_world.ground_truth(world, path, config, slice(0, config.pixel_frames_for_blocks(len(keys))))
     records = eval_world.Records()
-    script = eval_world.Script("w", keys, len(keys))
     # The truth against itself: eval_world records (generated, true) per held block.
     records.add_motion(config, "model", script, truth, truth)
     expected = [g for block in (1, 2) for _, _, _, g, _ in records.motion[block]]

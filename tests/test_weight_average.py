@@ -46,8 +46,9 @@ def test_exported_weights_are_the_average_where_kept_and_the_buffers_from_the_mo
     state = {"model": model.state_dict()}
     assert exported_weights(state)[0] == state["model"]
     average = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
-    weights, which = exported_weights({"model": model.state_dict(), "ema": average})
-    assert "average" in which and weights.keys() == state["model"].keys()
+    weights, which = exported_weights({"model": model.state_dict(), "ema": average,
+                                       "train_config": {"ema_decay": 0.5}})
+    assert "average" in which and "decay 0.5" in which and weights.keys() == state["model"].keys()
     assert torch.equal(weights["0.weight"], torch.zeros(2, 3))
     assert torch.equal(weights["1.running_var"], model.state_dict()["1.running_var"])
     with pytest.raises(ValueError, match="does not"):

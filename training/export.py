@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from lingbot_core.config import EMBEDDED
 from lingbot_core.blocks.loading import TRANSFORMER_WEIGHTS, build_seeded_parts
-from training.weight_average import CHECKPOINT_KEY as AVERAGE_KEY, exported_weights
+from training.weight_average import exported_weights
 from training.world import CHECKPOINT, load_checkpoint, load_vae, model_config
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "lingbot_core" / "embedded_model"
@@ -56,10 +56,9 @@ def world_weights(world: Path) -> tuple[dict[str, torch.Tensor], str]:
     """The transformer's weights and where they came from: a run folder's last checkpoint, or a stage folder's
     transformer/ (already half precision, so the export copies it exactly)."""
     if (world / CHECKPOINT).is_file():
-        tc, state = load_checkpoint(world)
+        _, state = load_checkpoint(world)
         weights, which = exported_weights(state)
-        decay = f", decay {tc.ema_decay}" if state.get(AVERAGE_KEY) else ""
-        return weights, f"world model step {state['step']}, {which}{decay}"
+        return weights, f"world model step {state['step']}, {which}"
     if (world / "transformer" / TRANSFORMER_WEIGHTS).is_file():
         return load_file(world / "transformer" / TRANSFORMER_WEIGHTS), f"world model of {world}"
     raise ValueError(f"{world} holds neither a training.world checkpoint ({CHECKPOINT}) nor "

@@ -50,4 +50,4 @@ def exported_weights(state: dict) -> tuple[dict[str, torch.Tensor], str]:
     if unknown:
         raise ValueError(f"the checkpoint's average holds weights the model does not: {unknown[:3]}")
     weights.update(average)
-    return weights, "the average of its weights"
+    return weights, f"the average of its weights (decay {state['train_config']['ema_decay']})"
