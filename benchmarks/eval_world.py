@@ -16,13 +16,14 @@ Measured (lingbot_core/world/metrics.py holds every estimator):
 - fidelity per block index: PSNR and SSIM of the decoded frames against the ground truth, beside two
   baselines: the start picture repeated, and the same architecture with random weights (the preset
   built from its seed, `random_weights_pipeline`; on the first `--baseline-worlds` worlds only: it costs
-  as much as the model and barely varies). Target: model >= repeat + 3 dB, averaged over blocks 1-8.
+  as much as the model and barely varies). Target: model >= repeat + 4 dB, averaged over blocks 1-8
+  (issue 44's; the shipped model reaches +3.36).
 - action following: for every block b >= 1 and every key it holds, the key's motion (turn: the whole
   frame's translation in x, phase correlation refined by least squares; pitch: in y; walk: expansion of
   the halves; step: lateral shift of the lower half; metrics.py says why the refinement) summed over
   the block's consecutive frame pairs (pixel frames 12b-4 -> 12b+8), on the generated frames and on the
   ground truth alike. Blocks whose true motion is under MIN_TRUE_MOTION_PX (a pitch
-  held at its limit) are left out and counted. Targets: the generated motion has the true sign in >= 95%
+  held at its limit) are left out and counted. Targets: the generated motion has the true sign in >= 97%
   of blocks; its magnitude is within 30% of the truth's: the median ratio |generated| / |true| per kind
   of motion (turn, pitch, walk, step) lies in [0.7, 1.3] (the share of blocks within 30% is printed too).
 - no collapse: on every seed's walk, the last block's pixel mean, contrast (std) and high-frequency
@@ -91,7 +92,7 @@ PROMPT = "A walk through a quiet countryside with trees, rocks and small houses.
 # True motion below this (pixels summed over a block) is no evidence of a direction: a pitch held past
 # its limit stops, and the estimators' noise on a still pair is well under a pixel.
 MIN_TRUE_MOTION_PX = 1.0
-PSNR_MARGIN_DB, SIGN_TARGET, MAGNITUDE_TOLERANCE, COLLAPSE_TOLERANCE = 3.0, 0.95, 0.30, 0.20
+PSNR_MARGIN_DB, SIGN_TARGET, MAGNITUDE_TOLERANCE, COLLAPSE_TOLERANCE = 4.0, 0.97, 0.30, 0.20
 TARGET_BLOCKS = range(1, 9)  # PSNR target: averaged over blocks 1-8
 REVISIT_HOLDS = (1, 2, 4)  # blocks turned away (J) and then back (L)
 MOTION_KINDS = {"shift_x": "turn", "shift_y": "pitch", "expansion": "walk", "lateral": "step"}

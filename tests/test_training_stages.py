@@ -66,7 +66,7 @@ def test_the_newest_world_stage_exports_and_plays_a_held_out_world(tmp_path):
     """`training.export --world-run STAGE` on a machine that never held the stage's run: the folder it writes
     carries the stage's weights bit for bit, loads through the checkpoint loader the app uses (every config,
     name and shape checked, the VAE streamable) and plays block 0 of a held-out world near the truth (stage
-    world-p2-s5: 24.9 dB; a random frame of the world gives about 11 dB)."""
+    world-p2-s6: 24.9 dB; a random frame of the world gives about 11 dB)."""
     from lingbot_core.world import HELD_OUT_SEEDS, key_path, held_keys, make_world
     from lingbot_core.world.metrics import psnr
 
