@@ -759,7 +759,10 @@ def _load_behind_page(engine: StartingEngine, log: StartupLog) -> None:
     try:
         engine.load()
     except BaseException:  # noqa: BLE001  (main reports it as it exits)
-        _thread.interrupt_main()
+        # As the SIGTERM main installed a handler for, not SIGINT: a process started with SIGINT ignored (a
+        # background job of a script, nohup) keeps it ignored, and interrupt_main() of an ignored signal
+        # does nothing, which left the page up with no model behind it.
+        _thread.interrupt_main(signal.SIGTERM)
         return
     log.note(f"the model is ready: {engine.capacity} worlds at once")
 
