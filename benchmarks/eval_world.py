@@ -16,8 +16,7 @@ Measured (lingbot_core/world/metrics.py holds every estimator):
 - fidelity per block index: PSNR and SSIM of the decoded frames against the ground truth, beside two
   baselines: the start picture repeated, and the same architecture with random weights (the preset
   built from its seed, `random_weights_pipeline`; on the first `--baseline-worlds` worlds only: it costs
-  as much as the model and barely varies). Target: model >= repeat + 4 dB, averaged over blocks 1-8
-  (issue 44's; the shipped model reaches +3.36).
+  as much as the model and barely varies). Target: model >= repeat + 4 dB, averaged over blocks 1-8.
 - action following: for every block b >= 1 and every key it holds, the key's motion (turn: the whole
   frame's translation in x, phase correlation refined by least squares; pitch: in y; walk: expansion of
   the halves; step: lateral shift of the lower half; metrics.py says why the refinement) summed over

@@ -123,7 +123,7 @@ def test_a_loaded_model_unlike_its_config_files_is_refused_and_stopped():
 def _app(*args: str, env_extra: dict[str, str], ignore_sigint: bool = False) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "GRADIO_TEMP_DIR"}
     env.update(GRADIO_ANALYTICS_ENABLED="False", **env_extra)
-    # ignore_sigint: start it as a background job of a script starts (SIGINT ignored, and inherited).
+    # ignore_sigint: start it as a script's background job starts, with SIGINT ignored (children inherit that).
     ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
     return subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--host", "127.0.0.1", *args], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=ignore)
